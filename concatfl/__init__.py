@@ -1,0 +1,1 @@
+"""concatfl: federated learning under label skew (FedCat, FedSeq, FedConcat) on Flower."""

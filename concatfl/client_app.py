@@ -1,0 +1,93 @@
+"""concatfl's ClientApp: ordinary Flower train/evaluate handlers on the client's partition.
+
+The partition comes from `context.node_config` (`partition-id`, `num-partitions`), so the same
+app runs in simulation and in deployment. Training hyperparameters arrive in the message's
+``"config"`` record; any key missing there falls back to the run config.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from .config import RunConfig
+from .runtime import ClientData, load_client_data, make_model, load_data
+from .training import pick_device, proximal_regularizer, train, evaluate
+
+app = ClientApp()
+
+
+def client_config(context: Context) -> RunConfig:
+    """The validated run config as the client sees it."""
+    return RunConfig.from_mapping(context.run_config)
+
+
+def client_data(context: Context, config: RunConfig) -> ClientData:
+    """This node's data, located by its node config."""
+    try:
+        partition_id = int(context.node_config["partition-id"])
+        num_partitions = int(context.node_config["num-partitions"])
+    except KeyError as missing:
+        raise KeyError(
+            f"node config lacks {missing}; start the SuperNode with "
+            "--node-config \"partition-id=<i> num-partitions=<N>\""
+        ) from None
+    return load_client_data(config, partition_id, num_partitions)
+
+
+def received_model(message: Message, config: RunConfig) -> torch.nn.Module:
+    """The run's model with the weights the message carries."""
+    model = make_model(config, load_data(config))
+    model.load_state_dict(message.content["arrays"].to_torch_state_dict())
+    return model
+
+
+@app.train()
+def train_handler(message: Message, context: Context) -> Message:
+    """Train the received model on the local train split and send it back."""
+    config = client_config(context)
+    data = client_data(context, config)
+    settings = {**config.as_dict(), **dict(message.content.config_records.get("config", {}))}
+    model = received_model(message, config)
+    mu = float(settings["proximal-mu"])
+    seed = int(settings.get("server-round", 0)) * 100_003 + int(context.node_config["partition-id"])
+    started = time.perf_counter()
+    loss = train(
+        model,
+        data.x_train,
+        data.y_train,
+        epochs=int(settings["local-epochs"]),
+        batch_size=int(settings["batch-size"]),
+        lr=float(settings["lr"]),
+        momentum=float(settings["momentum"]),
+        weight_decay=float(settings["weight-decay"]),
+        normalization=data.normalization,
+        device=pick_device(config.device),
+        generator=torch.Generator().manual_seed(config.seed * 1_000_003 + seed),
+        augmentation=data.augmentation,
+        regularizer=proximal_regularizer(received_model(message, config), mu) if mu > 0 else None,
+    )
+    metrics = MetricRecord(
+        {"num-examples": len(data.y_train), "train-loss": loss, "train-seconds": time.perf_counter() - started}
+    )
+    arrays = ArrayRecord(model.cpu().state_dict())
+    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=message)
+
+
+@app.evaluate()
+def evaluate_handler(message: Message, context: Context) -> Message:
+    """Evaluate the received model on the local test split."""
+    config = client_config(context)
+    data = client_data(context, config)
+    loss, accuracy = evaluate(
+        received_model(message, config),
+        data.x_test,
+        data.y_test,
+        normalization=data.normalization,
+        device=pick_device(config.device),
+    )
+    metrics = MetricRecord({"num-examples": len(data.y_test), "loss": loss, "accuracy": accuracy})
+    return Message(RecordDict({"metrics": metrics}), reply_to=message)

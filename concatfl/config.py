@@ -1,0 +1,221 @@
+"""Every run-config key: its type, allowed values and validation, turned into one typed object.
+
+Flower passes the run config as a flat dict of kebab-case keys (declared with their defaults in
+pyproject.toml). `RunConfig.from_mapping` checks every value before anything trains and fails
+with a `ConfigError` that names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+STRATEGIES = ("fedavg", "fedprox", "fedcat", "fedseq", "fedseq-inter", "fedconcat", "fedconcat-id")
+DATASETS = ("digits", "mnist", "fmnist", "cifar10", "cifar100", "svhn", "femnist")
+PARTITIONS = ("iid", "dirichlet", "classes", "natural")
+MODELS = ("auto", "mlp", "mcmahan-cnn", "simple-cnn", "lenet5", "vgg9", "resnet18")
+DEVICES = ("auto", "cpu", "cuda")
+FEDSEQ_DISTRIBUTION_METRICS = ("kl", "wasserstein", "gini")
+
+
+class ConfigError(ValueError):
+    """A run-config value is invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The validated run config. Field names are the keys with '-' turned into '_'."""
+
+    strategy: str = "fedavg"
+    dataset: str = "digits"
+    data_dir: str = ""
+    download: bool = False
+    cifar100_labels: str = "fine"
+    partition: str = "iid"
+    alpha: float = 0.5
+    classes_per_client: int = 2
+    min_partition_size: int = 10
+    local_test_fraction: float = 0.2
+    model: str = "auto"
+    num_server_rounds: int = 20
+    fraction_train: float = 1.0
+    fraction_evaluate: float = 0.0
+    min_available_nodes: int = 2
+    round_timeout: float = 600.0
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    proximal_mu: float = 0.0
+    seed: int = 0
+    device: str = "auto"
+    output_dir: str = "outputs"
+    report_label_counts: bool = False
+    fedcat_k: int = 0
+    fedcat_lambda: int = 2
+    fedcat_epsilon: float = 0.5
+    fedcat_selection: str = "grouped-count"
+    fedcat_concat: bool = True
+    fedseq_pretrain_epochs: int = 10
+    fedseq_approximator: str = "conf"
+    fedseq_exemplars_per_class: int = 10
+    fedseq_conf_normalize: str = "sum"
+    fedseq_clf_layers: str = "all"
+    fedseq_metric: str = "kl"
+    fedseq_grouping: str = "greedy"
+    fedseq_min_samples: int = 800
+    fedseq_max_clients: int = 11
+    fedseq_superclient_epochs: int = 1
+    fedconcat_clusters: str = "5"
+    fedconcat_balanced: bool = False
+    fedconcat_dp_epsilon: float = 0.0
+    fedconcat_id_samples: int = 10000
+    fedconcat_encoder_rounds: int = 10
+    fedconcat_classifier_rounds: int = 20
+    fedconcat_classifier_steps: int = 3
+    fedconcat_init_classifier: bool = False
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
+        """Build and validate from Flower's run config (kebab-case keys); unknown keys fail."""
+        fields = {field.name: field for field in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in fields:
+                raise ConfigError(f"unknown run-config key '{key}'; known keys: {sorted(known_keys())}")
+            kwargs[name] = _coerce(key, value, fields[name].type)
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    def as_dict(self) -> dict[str, Any]:
+        """The config with kebab-case keys (as written into metrics.json)."""
+        return {key.replace("_", "-"): value for key, value in dataclasses.asdict(self).items()}
+
+    @property
+    def timeout(self) -> float | None:
+        """Per-hop reply timeout in seconds; `round-timeout = 0` means wait forever."""
+        return self.round_timeout if self.round_timeout > 0 else None
+
+    @property
+    def fedconcat_num_clusters(self) -> int | None:
+        """The number of FedConcat clusters, or None for `auto` (elbow rule)."""
+        return None if self.fedconcat_clusters == "auto" else int(self.fedconcat_clusters)
+
+    def validate(self) -> None:
+        """Check every value; raise ConfigError naming the first bad key."""
+        _choice("strategy", self.strategy, STRATEGIES)
+        _choice("dataset", self.dataset, DATASETS)
+        _choice("cifar100-labels", self.cifar100_labels, ("fine", "coarse"))
+        _choice("partition", self.partition, PARTITIONS)
+        _choice("model", self.model, MODELS)
+        _choice("device", self.device, DEVICES)
+        _choice("fedcat-selection", self.fedcat_selection, ("grouped-count", "random"))
+        _choice("fedseq-approximator", self.fedseq_approximator, ("conf", "clf"))
+        _choice("fedseq-conf-normalize", self.fedseq_conf_normalize, ("sum", "softmax"))
+        _choice("fedseq-clf-layers", self.fedseq_clf_layers, ("all", "last2", "last"))
+        _choice("fedseq-metric", self.fedseq_metric, ("kl", "cosine", "euclidean", "wasserstein", "gini"))
+        _choice("fedseq-grouping", self.fedseq_grouping, ("greedy", "kmeans", "random"))
+        if self.partition == "natural" and self.dataset != "femnist":
+            raise ConfigError("partition='natural' (one client per group of writers) needs dataset='femnist'")
+        _at_least("alpha", self.alpha, 0.0)
+        _at_least("classes-per-client", self.classes_per_client, 1)
+        _at_least("min-partition-size", self.min_partition_size, 1)
+        _open_interval("local-test-fraction", self.local_test_fraction, 0.0, 1.0, closed_low=True)
+        _at_least("num-server-rounds", self.num_server_rounds, 1)
+        _open_interval("fraction-train", self.fraction_train, 0.0, 1.0, closed_high=True)
+        _open_interval("fraction-evaluate", self.fraction_evaluate, 0.0, 1.0, closed_low=True, closed_high=True)
+        _at_least("min-available-nodes", self.min_available_nodes, 1)
+        _at_least("round-timeout", self.round_timeout, 0.0)
+        _at_least("local-epochs", self.local_epochs, 1)
+        _at_least("batch-size", self.batch_size, 1)
+        _open_interval("lr", self.lr, 0.0, float("inf"))
+        _at_least("momentum", self.momentum, 0.0)
+        _at_least("weight-decay", self.weight_decay, 0.0)
+        _at_least("proximal-mu", self.proximal_mu, 0.0)
+        if self.strategy == "fedprox" and self.proximal_mu <= 0:
+            raise ConfigError("strategy='fedprox' needs proximal-mu > 0 (the weight of the proximal term)")
+        _at_least("fedcat-k", self.fedcat_k, 0)
+        if self.fedcat_k == 1:
+            raise ConfigError("fedcat-k must be 0 (auto: round(fraction-train x N), at least 2) or >= 2")
+        _at_least("fedcat-lambda", self.fedcat_lambda, 1)
+        _open_interval("fedcat-epsilon", self.fedcat_epsilon, 0.0, 1.0, closed_low=True, closed_high=True)
+        _at_least("fedseq-pretrain-epochs", self.fedseq_pretrain_epochs, 1)
+        _at_least("fedseq-exemplars-per-class", self.fedseq_exemplars_per_class, 1)
+        _at_least("fedseq-min-samples", self.fedseq_min_samples, 1)
+        _at_least("fedseq-max-clients", self.fedseq_max_clients, 1)
+        _at_least("fedseq-superclient-epochs", self.fedseq_superclient_epochs, 1)
+        if self.fedseq_metric in FEDSEQ_DISTRIBUTION_METRICS and self.fedseq_approximator != "conf":
+            raise ConfigError(
+                f"fedseq-metric='{self.fedseq_metric}' compares distributions and needs "
+                "fedseq-approximator='conf'; with 'clf' use fedseq-metric='cosine' or 'euclidean'"
+            )
+        if self.fedconcat_clusters != "auto":
+            try:
+                clusters = int(self.fedconcat_clusters)
+            except ValueError:
+                raise ConfigError(
+                    f"fedconcat-clusters must be a positive integer or 'auto', got {self.fedconcat_clusters!r}"
+                ) from None
+            _at_least("fedconcat-clusters", clusters, 1)
+        _at_least("fedconcat-dp-epsilon", self.fedconcat_dp_epsilon, 0.0)
+        _at_least("fedconcat-id-samples", self.fedconcat_id_samples, 1)
+        _at_least("fedconcat-encoder-rounds", self.fedconcat_encoder_rounds, 1)
+        _at_least("fedconcat-classifier-rounds", self.fedconcat_classifier_rounds, 1)
+        _at_least("fedconcat-classifier-steps", self.fedconcat_classifier_steps, 1)
+
+
+def known_keys() -> list[str]:
+    """All run-config keys, kebab-case."""
+    return [field.name.replace("_", "-") for field in dataclasses.fields(RunConfig)]
+
+
+def _coerce(key: str, value: Any, kind: str) -> Any:
+    """Turn a TOML/CLI value into the field's type, or fail naming the key."""
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+    elif kind == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind == "str":
+        return str(value)
+    raise ConfigError(f"run-config key '{key}' must be a {kind}, got {value!r}")
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"run-config key '{key}' is {value!r}; allowed values: {', '.join(allowed)}")
+
+
+def _at_least(key: str, value: float, low: float) -> None:
+    if value < low:
+        raise ConfigError(f"run-config key '{key}' must be >= {low}, got {value}")
+
+
+def _open_interval(
+    key: str, value: float, low: float, high: float, closed_low: bool = False, closed_high: bool = False
+) -> None:
+    above = value >= low if closed_low else value > low
+    below = value <= high if closed_high else value < high
+    if not (above and below):
+        left, right = "[" if closed_low else "(", "]" if closed_high else ")"
+        raise ConfigError(f"run-config key '{key}' must be in {left}{low}, {high}{right}, got {value}")

@@ -1,0 +1,1 @@
+"""Pure algorithm cores: numpy/torch in, numpy/torch out, no Flower imports."""

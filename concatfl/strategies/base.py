@@ -1,0 +1,273 @@
+"""`RelayStrategy`: the base of every concatfl strategy.
+
+A round is a sequence of hops (see `common.relay`). A subclass says what each hop sends
+(`train_requests`) and what to make of its replies (`aggregate_hop`); the base runs the
+rounds, measures bytes and seconds, evaluates the global model whenever it changes, and keeps
+one JSON-ready record per round in `history` (the rounds of metrics.json).
+
+Flower's own hooks are honoured: `configure_train`/`aggregate_train` are the same two steps
+seen from Flower's side (one hop each call), so a user who drives the strategy by hand sees
+the usual Message API; `start()` is the usual entry point and returns a Flower `Result`.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Iterable
+from logging import INFO
+from typing import Any
+
+import numpy as np
+from torch import nn
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from flwr.supercore import log
+
+from .common import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    NUM_EXAMPLES_KEY,
+    HopResult,
+    Request,
+    collect,
+    live_node_ids,
+    relay,
+    sample_nodes,
+    to_messages,
+)
+
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
+
+
+class RelayStrategy(Strategy):
+    """Base class: rounds of relay hops with measured traffic and per-round records.
+
+    Parameters
+    ----------
+    fraction_evaluate : float (default: 0.0)
+        Fraction of connected nodes asked to evaluate the global model on their local test
+        split after each round (Flower's federated evaluation). 0 skips it; the server-side
+        `evaluate_fn` is the main measure in concatfl.
+    round_timeout : float | None (default: None)
+        Seconds to wait for the replies of one hop; a reply that does not come in time is a
+        miss. None waits for every reply.
+    seed : int (default: 0)
+        Seed of the strategy's one random generator (`self.rng`): every random choice on the
+        server draws from it, so a run is reproducible.
+    """
+
+    def __init__(
+        self, fraction_evaluate: float = 0.0, round_timeout: float | None = None, seed: int = 0
+    ) -> None:
+        if not 0.0 <= fraction_evaluate <= 1.0:
+            raise ValueError(f"fraction_evaluate must be in [0, 1], got {fraction_evaluate}")
+        self.fraction_evaluate = fraction_evaluate
+        self.round_timeout = round_timeout
+        self.rng = np.random.default_rng(seed)
+        self.history: list[dict[str, Any]] = []
+        self.setup_record: dict[str, Any] = {}
+        self._round_extras: dict[str, Any] = {}
+        self._pending: list[Request] = []
+        self._hop_position: tuple[int, int] = (0, 0)
+
+    # ------------------------------------------------------------------ subclass hooks
+    def setup(self, grid: Grid, initial_arrays: ArrayRecord, train_config: ConfigRecord) -> None:
+        """Work done once before round 1 (FedSeq's grouping, FedConcat's clustering).
+
+        Use `self.hop(grid, requests)` to talk to nodes and `self.setup_record` to report.
+        """
+
+    @abstractmethod
+    def train_requests(
+        self, server_round: int, hop: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Request]:
+        """The requests of hop `hop` (0, 1, …) of `server_round`; an empty list ends the round.
+
+        `arrays` is the current global model and `config` the training config of the run.
+        """
+
+    @abstractmethod
+    def aggregate_hop(
+        self, server_round: int, hop: HopResult
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Absorb one hop's replies and misses.
+
+        Returns the new global model when this hop changed it (None otherwise) and the
+        aggregated training metrics of the replies (or None).
+        """
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the run: a JSON/pickle-friendly dict."""
+        return {"rng": self.rng.bit_generator.state, "history": self.history}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        self.rng.bit_generator.state = state["rng"]
+        self.history = list(state["history"])
+
+    def global_module(self, arrays: ArrayRecord, make_model: Callable[[], nn.Module]) -> nn.Module:
+        """The torch module that `arrays` (the global model this strategy returns) stands for.
+
+        Most strategies return the weights of the run's model; FedConcat returns the
+        concatenated-encoder model and overrides this.
+        """
+        model = make_model()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        return model
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    def hop(self, grid: Grid, requests: list[Request]) -> HopResult:
+        """Run one relay hop with this strategy's timeout."""
+        return relay(grid, requests, self.round_timeout)
+
+    def record(self, key: str, value: Any) -> None:
+        """Add a strategy-specific entry (JSON-ready) to the current round's record."""
+        self._round_extras[key] = value
+
+    # ------------------------------------------------------------------ Flower's Strategy API
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Messages of the round's next hop (FedSeq rounds have several; others one)."""
+        last_round, last_hop = self._hop_position
+        hop = last_hop if last_round == server_round else 0
+        self._pending = self.train_requests(server_round, hop, arrays, config, grid)
+        self._hop_position = (server_round, hop + 1)
+        return to_messages(self._pending)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate the replies to the last `configure_train` and aggregate them."""
+        return self.aggregate_hop(server_round, collect(self._pending, replies))
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Ask a `fraction_evaluate` sample of nodes to evaluate the global model."""
+        nodes = live_node_ids(grid)
+        count = int(round(self.fraction_evaluate * len(nodes)))
+        if count == 0:
+            return []
+        chosen = sample_nodes(self.rng, nodes, count)
+        config = ConfigRecord({**dict(config), "server-round": server_round})
+        return [
+            Message(
+                content=RecordDict({ARRAYS_KEY: arrays, CONFIG_KEY: config}),
+                dst_node_id=node_id,
+                message_type=MessageType.EVALUATE,
+            )
+            for node_id in chosen
+        ]
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Average the evaluation metrics, weighted by num-examples."""
+        good = [reply.content for reply in replies if not reply.has_error()]
+        return aggregate_metricrecords(good, NUM_EXAMPLES_KEY) if good else None
+
+    def summary(self) -> None:
+        """Log the strategy's configuration."""
+        log(INFO, "\t├──> %s", self.__class__.__name__)
+        for key, value in sorted(vars(self).items()):
+            if not key.startswith("_") and key not in ("history", "setup_record", "rng"):
+                log(INFO, "\t│\t├── %s: %s", key, value)
+
+    # pylint: disable=too-many-arguments, too-many-locals
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: EvaluateFn | None = None,
+    ) -> Result:
+        """Run `num_rounds` rounds and return Flower's `Result`.
+
+        `timeout` is used as the per-hop timeout when the strategy was built without a
+        `round_timeout`. `evaluate_fn(round, arrays)` is called on the initial model and after
+        every round that changed the global model.
+        """
+        log(INFO, "Starting %s strategy:", self.__class__.__name__)
+        self.summary()
+        if self.round_timeout is None:
+            self.round_timeout = timeout
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        result = Result(arrays=initial_arrays)
+        arrays = initial_arrays
+        if evaluate_fn and not self.history:
+            evaluated = evaluate_fn(0, initial_arrays)
+            if evaluated is not None:
+                result.evaluate_metrics_serverapp[0] = evaluated
+
+        started = time.perf_counter()
+        if not self.history:
+            self.setup(grid, initial_arrays, train_config)
+        for server_round in range(len(self.history) + 1, num_rounds + 1):
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            round_started = time.perf_counter()
+            self._round_extras = {}
+            hops: list[HopResult] = []
+            changed = False
+            for position in itertools.count():
+                requests = self.train_requests(server_round, position, arrays, train_config, grid)
+                if not requests:
+                    break
+                hop = self.hop(grid, requests)
+                hops.append(hop)
+                new_arrays, train_metrics = self.aggregate_hop(server_round, hop)
+                if new_arrays is not None:
+                    arrays, changed = new_arrays, True
+                if train_metrics is not None:
+                    result.train_metrics_clientapp[server_round] = train_metrics
+            record: dict[str, Any] = {
+                "round": server_round,
+                "bytes_sent": sum(h.bytes_sent for h in hops),
+                "bytes_received": sum(h.bytes_received for h in hops),
+                "hops": [h.as_record() for h in hops],
+                "aggregated": changed,
+                **self._round_extras,
+            }
+            federated = self._federated_evaluation(server_round, arrays, evaluate_config, grid)
+            if federated is not None:
+                result.evaluate_metrics_clientapp[server_round] = federated
+                record["federated_evaluation"] = dict(federated)
+            if changed:
+                result.arrays = arrays
+                if evaluate_fn:
+                    evaluated = evaluate_fn(server_round, arrays)
+                    if evaluated is not None:
+                        result.evaluate_metrics_serverapp[server_round] = evaluated
+                        record.update(dict(evaluated))
+            record["seconds"] = round(time.perf_counter() - round_started, 4)
+            self.history.append(record)
+            log(INFO, "\t└──> round %s: %s", server_round, _short(record))
+
+        log(INFO, "Strategy execution finished in %.2fs", time.perf_counter() - started)
+        for line in io.StringIO(str(result)):
+            log(INFO, "\t%s", line.strip("\n"))
+        return result
+
+    def _federated_evaluation(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> MetricRecord | None:
+        messages = list(self.configure_evaluate(server_round, arrays, config, grid))
+        if not messages:
+            return None
+        replies = grid.send_and_receive(messages, timeout=self.round_timeout)
+        return self.aggregate_evaluate(server_round, replies)
+
+
+def _short(record: dict[str, Any]) -> str:
+    keys = ("accuracy", "loss", "bytes_sent", "bytes_received", "seconds")
+    return ", ".join(f"{k}={record[k]}" for k in keys if k in record)

@@ -1,0 +1,266 @@
+"""Plumbing shared by every concatfl strategy: requests, reply validation, the relay hop.
+
+A *hop* is one batch of messages sent at once and the replies collected for it. FedAvg and
+FedCat need one hop per round, FedSeq one hop per position in its client chains, FedConcat one
+per stage round. Whatever the algorithm, a reply that is missing, carries an error or fails
+validation becomes a `Miss` with a logged reason; it never reaches aggregation.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from logging import WARNING
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore import log
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+ARRAYS_KEY = "arrays"
+CONFIG_KEY = "config"
+METRICS_KEY = "metrics"
+NUM_EXAMPLES_KEY = "num-examples"
+
+
+@dataclass
+class Request:
+    """One message the server wants to send in a hop.
+
+    `tag` is the caller's label for the request (FedCat's copy index, FedSeq's superclient id,
+    FedConcat's cluster id) so replies can be routed back without bookkeeping by node id.
+    `expect_arrays` is the template a reply's ``"arrays"`` must match (keys, shapes, dtypes);
+    by default the ``"arrays"`` that were sent, or no arrays check when none were sent.
+    """
+
+    node_id: int
+    content: RecordDict
+    message_type: str = MessageType.TRAIN
+    tag: Any = None
+    expect_arrays: ArrayRecord | None = None
+    require_num_examples: bool = True
+
+    def template(self) -> ArrayRecord | None:
+        """ArrayRecord the reply must match, or None when the reply carries no model."""
+        if self.expect_arrays is not None:
+            return self.expect_arrays
+        sent = self.content.array_records.get(ARRAYS_KEY)
+        return sent
+
+
+@dataclass
+class Reply:
+    """A validated reply: its content and its weight (num-examples)."""
+
+    request: Request
+    content: RecordDict
+    num_examples: int
+
+    @property
+    def node_id(self) -> int:
+        """Node that sent the reply."""
+        return self.request.node_id
+
+    @property
+    def arrays(self) -> ArrayRecord:
+        """The model (or model part) the client returned."""
+        return self.content.array_records[ARRAYS_KEY]
+
+    @property
+    def metrics(self) -> MetricRecord:
+        """The client's MetricRecord."""
+        return self.content.metric_records[METRICS_KEY]
+
+
+@dataclass
+class Miss:
+    """A request that produced no usable reply, and why."""
+
+    request: Request
+    reason: str
+
+    def as_record(self) -> dict[str, Any]:
+        """JSON-ready description for metrics.json."""
+        return {"node": self.request.node_id, "tag": _jsonable(self.request.tag), "reason": self.reason}
+
+
+@dataclass
+class HopResult:
+    """Everything one hop produced, with its measured traffic and wall time."""
+
+    replies: list[Reply] = field(default_factory=list)
+    misses: list[Miss] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+    def as_record(self) -> dict[str, Any]:
+        """JSON-ready summary of the hop for metrics.json."""
+        return {
+            "sent": len(self.replies) + len(self.misses),
+            "replies": len(self.replies),
+            "misses": [miss.as_record() for miss in self.misses],
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "seconds": round(self.seconds, 4),
+        }
+
+
+def message_bytes(message: Message) -> int:
+    """Bytes of the serialized objects that carry a message (what Flower pushes or pulls).
+
+    Flower 1.42 ships a message as a tree of content-addressed objects; each object's
+    `deflate()` is exactly what goes over the wire, so their sum is the measured size.
+    """
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
+
+
+def reply_problem(
+    content: RecordDict, template: ArrayRecord | None, require_num_examples: bool = True
+) -> str | None:
+    """Why a reply's content is unusable, or None when it is fine.
+
+    Checks the reply against the model that was sent (same keys, shapes and dtypes), that
+    every array is finite, and that ``metrics["num-examples"]`` is a positive number.
+    """
+    if template is not None:
+        arrays = content.array_records.get(ARRAYS_KEY)
+        if arrays is None:
+            return f"no ArrayRecord under '{ARRAYS_KEY}'"
+        if set(arrays.keys()) != set(template.keys()):
+            missing = sorted(set(template.keys()) - set(arrays.keys()))
+            extra = sorted(set(arrays.keys()) - set(template.keys()))
+            return f"array keys differ from the model sent (missing {missing}, unexpected {extra})"
+        for key, expected in template.items():
+            got = arrays[key]
+            if tuple(got.shape) != tuple(expected.shape):
+                return f"shape of '{key}' is {tuple(got.shape)}, expected {tuple(expected.shape)}"
+            if got.dtype != expected.dtype:
+                return f"dtype of '{key}' is {got.dtype}, expected {expected.dtype}"
+            values = got.numpy()
+            if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
+                return f"non-finite values (NaN/Inf) in '{key}'"
+    if require_num_examples:
+        metrics = content.metric_records.get(METRICS_KEY)
+        if metrics is None or NUM_EXAMPLES_KEY not in metrics:
+            return f"no '{METRICS_KEY}' MetricRecord with '{NUM_EXAMPLES_KEY}'"
+        num_examples = metrics[NUM_EXAMPLES_KEY]
+        if isinstance(num_examples, list) or not math.isfinite(num_examples) or num_examples <= 0:
+            return f"'{NUM_EXAMPLES_KEY}' must be a positive number, got {num_examples!r}"
+    return None
+
+
+def to_messages(requests: Sequence[Request]) -> list[Message]:
+    """One Message per request, each with its own content (never a shared RecordDict)."""
+    node_ids = [request.node_id for request in requests]
+    if len(set(node_ids)) != len(node_ids):
+        raise ValueError(f"a hop sends at most one message per node, got nodes {node_ids}")
+    return [
+        Message(content=req.content, dst_node_id=req.node_id, message_type=req.message_type)
+        for req in requests
+    ]
+
+
+def collect(requests: Sequence[Request], replies: Iterable[Message]) -> HopResult:
+    """Match replies to requests by node, validate them, and turn the rest into misses."""
+    hop = HopResult()
+    by_node = {request.node_id: request for request in requests}
+    answered: set[int] = set()
+    for reply in replies:
+        hop.bytes_received += message_bytes(reply)
+        node_id = reply.metadata.src_node_id
+        request = by_node.get(node_id)
+        if request is None or node_id in answered:
+            log(WARNING, "Ignoring an unexpected reply from node %s", node_id)
+            continue
+        answered.add(node_id)
+        if reply.has_error():
+            hop.misses.append(Miss(request, f"error reply: {reply.error.reason}"))
+            continue
+        problem = reply_problem(reply.content, request.template(), request.require_num_examples)
+        if problem is not None:
+            hop.misses.append(Miss(request, f"rejected: {problem}"))
+            continue
+        num_examples = (
+            int(reply.content.metric_records[METRICS_KEY][NUM_EXAMPLES_KEY])
+            if request.require_num_examples
+            else 0
+        )
+        hop.replies.append(Reply(request, reply.content, num_examples))
+    for node_id, request in by_node.items():
+        if node_id not in answered:
+            hop.misses.append(Miss(request, "no reply before the round timeout"))
+    for miss in hop.misses:
+        log(WARNING, "Node %s (%s) left out: %s", miss.request.node_id, miss.request.tag, miss.reason)
+    return hop
+
+
+def relay(grid: Grid, requests: Sequence[Request], timeout: float | None) -> HopResult:
+    """The one relay primitive: send a hop of requests, collect and validate the replies.
+
+    At most one request per node per hop (replies are matched to requests by node id).
+    `timeout` (seconds, None = wait for all) bounds the wait; a reply that does not come in
+    time counts as missing. Bytes are measured on the serialized messages, time on the wall.
+    """
+    if not requests:
+        return HopResult()
+    messages = to_messages(requests)
+    bytes_sent = sum(message_bytes(message) for message in messages)
+    started = time.perf_counter()
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    seconds = time.perf_counter() - started
+    hop = collect(requests, replies)
+    hop.bytes_sent, hop.seconds = bytes_sent, seconds
+    return hop
+
+
+def weighted_average(records: Sequence[ArrayRecord], weights: Sequence[float]) -> ArrayRecord:
+    """Average ArrayRecords key by key with the given weights, keeping each array's dtype.
+
+    Integer arrays (e.g. BatchNorm's `num_batches_tracked`) are averaged and rounded.
+    """
+    if not records:
+        raise ValueError("nothing to average")
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError(f"weights must sum to a positive number, got {list(weights)}")
+    averaged: dict[str, Array] = {}
+    for key in records[0].keys():
+        stacked = [record[key].numpy() for record in records]
+        mean = sum(w * arr.astype(np.float64) for w, arr in zip(weights, stacked)) / total
+        dtype = stacked[0].dtype
+        rounded = np.rint(mean) if np.issubdtype(dtype, np.integer) else mean
+        averaged[key] = Array(rounded.astype(dtype))
+    return ArrayRecord(averaged)
+
+
+def train_content(arrays: ArrayRecord, config: dict[str, Any]) -> RecordDict:
+    """A fresh RecordDict carrying a model and its training config (one per message)."""
+    return RecordDict({ARRAYS_KEY: arrays, CONFIG_KEY: ConfigRecord(dict(config))})
+
+
+def live_node_ids(grid: Grid) -> list[int]:
+    """Currently connected node ids, sorted so every plan built from them is reproducible."""
+    return sorted(int(node_id) for node_id in grid.get_node_ids())
+
+
+def sample_nodes(rng: np.random.Generator, nodes: Sequence[int], count: int) -> list[int]:
+    """`count` distinct nodes drawn uniformly, as Python ints.
+
+    Node ids are unsigned 64-bit numbers; a numpy array of them can silently become float64
+    (and lose digits), so draw positions and index the Python list instead.
+    """
+    positions = rng.choice(len(nodes), size=count, replace=False)
+    return [nodes[int(position)] for position in positions]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)

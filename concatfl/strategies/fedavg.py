@@ -1,0 +1,118 @@
+"""FedAvg and FedProx on concatfl's relay base (McMahan et al. 2017; Li et al. 2020)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from .base import RelayStrategy
+from .common import (
+    NUM_EXAMPLES_KEY,
+    HopResult,
+    Request,
+    live_node_ids,
+    sample_nodes,
+    train_content,
+    weighted_average,
+)
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+    from ..runtime import ServerEnv
+
+
+def sample_count(fraction: float, available: int, minimum: int = 1) -> int:
+    """How many of `available` nodes a fraction selects: round(fraction·N), at least `minimum`."""
+    return max(minimum, min(available, int(round(fraction * available))))
+
+
+class FedAvg(RelayStrategy):
+    """Federated Averaging: each round a random fraction of nodes trains the global model and
+    the server replaces it with the num-examples-weighted average of the returned models.
+
+    Behaves like Flower's own FedAvg, plus what every concatfl strategy does: invalid replies
+    (wrong shapes or dtypes, NaN/Inf, num-examples ≤ 0) are rejected with a logged reason,
+    bytes and seconds are measured per round, and the run is reproducible from `seed`.
+
+    Parameters
+    ----------
+    fraction_train : float (default: 1.0)
+        Fraction of the connected nodes sampled each round (at least `min_train_nodes`).
+    min_train_nodes : int (default: 1)
+        Lower bound on the nodes sampled per round.
+    proximal_mu : float (default: 0.0)
+        Sent to clients as ``config["proximal-mu"]``; > 0 turns the client objective into
+        FedProx's μ/2·‖θ − θ_received‖² regularized loss. The server side is unchanged.
+    fraction_evaluate, round_timeout, seed
+        See `RelayStrategy`.
+    """
+
+    def __init__(
+        self,
+        fraction_train: float = 1.0,
+        min_train_nodes: int = 1,
+        proximal_mu: float = 0.0,
+        fraction_evaluate: float = 0.0,
+        round_timeout: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(fraction_evaluate=fraction_evaluate, round_timeout=round_timeout, seed=seed)
+        if not 0.0 < fraction_train <= 1.0:
+            raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
+        if proximal_mu < 0:
+            raise ValueError(f"proximal_mu must be >= 0, got {proximal_mu}")
+        self.fraction_train = fraction_train
+        self.min_train_nodes = min_train_nodes
+        self.proximal_mu = proximal_mu
+
+    def train_requests(
+        self, server_round: int, hop: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Request]:
+        """Hop 0: the global model to a fresh random sample of nodes."""
+        if hop > 0:
+            return []
+        nodes = live_node_ids(grid)
+        count = sample_count(self.fraction_train, len(nodes), self.min_train_nodes)
+        chosen = sample_nodes(self.rng, nodes, count)
+        settings: dict[str, Any] = {**dict(config), "server-round": server_round, "proximal-mu": self.proximal_mu}
+        self.record("selected", sorted(chosen))
+        return [Request(node, train_content(arrays, settings)) for node in chosen]
+
+    def aggregate_hop(
+        self, server_round: int, hop: HopResult
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Weighted average of the valid replies; the model is kept when none came back."""
+        if not hop.replies:
+            return None, None
+        weights = [reply.num_examples for reply in hop.replies]
+        averaged = weighted_average([reply.arrays for reply in hop.replies], weights)
+        metrics = aggregate_metricrecords([reply.content for reply in hop.replies], NUM_EXAMPLES_KEY)
+        return averaged, metrics
+
+
+class FedProx(FedAvg):
+    """FedProx (Li et al. 2020): FedAvg whose clients add μ/2·‖θ − θ_received‖² to their loss.
+
+    Parameters are FedAvg's; `proximal_mu` (default 0.01) must be > 0.
+    """
+
+    def __init__(self, proximal_mu: float = 0.01, **kwargs: Any) -> None:
+        if proximal_mu <= 0:
+            raise ValueError(f"FedProx needs proximal_mu > 0, got {proximal_mu}")
+        super().__init__(proximal_mu=proximal_mu, **kwargs)
+
+
+def build(config: RunConfig, env: ServerEnv) -> FedAvg:
+    """FedAvg (or FedProx) from the run config."""
+    common: dict[str, Any] = {
+        "fraction_train": config.fraction_train,
+        "fraction_evaluate": config.fraction_evaluate,
+        "round_timeout": config.timeout,
+        "seed": config.seed,
+    }
+    if config.strategy == "fedprox":
+        return FedProx(proximal_mu=config.proximal_mu, **common)
+    return FedAvg(proximal_mu=config.proximal_mu, **common)

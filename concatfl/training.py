@@ -1,0 +1,117 @@
+"""Local training and evaluation loops (plain PyTorch), and the device choice.
+
+Inputs are kept in [0, 1]; each batch is augmented (if the dataset has an augmentation) and
+normalized on the fly, so the same tensors serve training, evaluation and FedConcat-ID's
+random-input probing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .data.transforms import normalize
+
+Regularizer = Callable[[nn.Module], torch.Tensor]
+Augmentation = Callable[[torch.Tensor, torch.Generator | None], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """Per-channel mean and std applied to every batch."""
+
+    mean: Sequence[float]
+    std: Sequence[float]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return normalize(x, self.mean, self.std)
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto` → CUDA when available, else CPU; `cuda` fails clearly when there is no GPU."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' was requested but no CUDA GPU is available")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def proximal_regularizer(reference: nn.Module, mu: float) -> Regularizer:
+    """FedProx's μ/2·‖θ − θ_ref‖² toward a frozen copy of the received model."""
+    anchors = [p.detach().clone() for p in reference.parameters()]
+
+    def term(model: nn.Module) -> torch.Tensor:
+        squared = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchors))
+        return 0.5 * mu * squared
+
+    return term
+
+
+def train(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    normalization: Normalization,
+    device: torch.device,
+    generator: torch.Generator,
+    augmentation: Augmentation | None = None,
+    regularizer: Regularizer | None = None,
+) -> float:
+    """Mini-batch SGD for `epochs` epochs over (x, y); returns the mean training loss.
+
+    `regularizer(model)` is added to every batch loss (FedProx's proximal term, …).
+    """
+    model.to(device).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    criterion = nn.CrossEntropyLoss()
+    total, batches = 0.0, 0
+    for _ in range(epochs):
+        order = torch.randperm(len(x), generator=generator)
+        for start in range(0, len(x), batch_size):
+            idx = order[start : start + batch_size]
+            inputs = x[idx]
+            if augmentation is not None:
+                inputs = augmentation(inputs, generator)
+            inputs, targets = normalization(inputs).to(device), y[idx].to(device)
+            optimizer.zero_grad()
+            loss = criterion(model(inputs), targets)
+            if regularizer is not None:
+                loss = loss + regularizer(model)
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach())
+            batches += 1
+    return total / max(batches, 1)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    normalization: Normalization,
+    device: torch.device,
+    batch_size: int = 512,
+) -> tuple[float, float]:
+    """(mean cross-entropy loss, accuracy) of `model` on (x, y); (0, 0) on an empty set."""
+    if len(x) == 0:
+        return 0.0, 0.0
+    model.to(device).eval()
+    loss_sum, correct = 0.0, 0
+    for start in range(0, len(x), batch_size):
+        inputs = normalization(x[start : start + batch_size]).to(device)
+        targets = y[start : start + batch_size].to(device)
+        logits = model(inputs)
+        loss_sum += float(nn.functional.cross_entropy(logits, targets, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == targets).sum())
+    return loss_sum / len(x), correct / len(x)

@@ -1,0 +1,71 @@
+"""A Grid that runs in-process, for exact tests of strategies without Flower's runtime.
+
+Real Flower node ids are unsigned 64-bit numbers, many above 2**63: tests should use such ids
+(see `BIG_IDS`) so that code which pushes node ids through numpy (and loses digits) fails here.
+A message to a node the grid does not know raises, as Flower logs "Invalid destination node ID".
+
+Each node is a Python callable `handler(message) -> Message | None`; returning None simulates a
+reply that never comes (node gone, timeout). Every message the strategy sent is kept in `sent`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+Handler = Callable[[Message], Message | None]
+
+BIG_IDS = [18_000_000_000_000_000_000 + 7919 * i for i in range(64)]
+
+
+class FakeGrid(Grid):
+    """In-process Grid: `handlers[node_id]` answers each message sent to that node."""
+
+    def __init__(self, handlers: dict[int, Handler]) -> None:
+        self.handlers = dict(handlers)
+        self.sent: list[Message] = []
+        self.hops: list[list[Message]] = []
+
+    def set_run(self, run_id: int) -> None:
+        raise NotImplementedError("not needed in tests")
+
+    @property
+    def run(self):  # type: ignore[override]
+        raise NotImplementedError("not needed in tests")
+
+    def create_message(self, *args, **kwargs) -> Message:  # type: ignore[override]
+        raise NotImplementedError("not needed in tests")
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.handlers)
+
+    def get_nodes(self):  # type: ignore[override]
+        raise NotImplementedError("not needed in tests")
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        raise NotImplementedError("strategies use send_and_receive")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        raise NotImplementedError("strategies use send_and_receive")
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        batch = list(messages)
+        self.sent.extend(batch)
+        self.hops.append(batch)
+        replies = []
+        for message in batch:
+            handler = self.handlers.get(message.metadata.dst_node_id)
+            if handler is None:
+                raise AssertionError(f"invalid destination node id {message.metadata.dst_node_id}")
+            reply = handler(message)
+            if reply is not None:
+                replies.append(reply)
+        return replies
+
+
+def reply_with(message: Message, content) -> Message:
+    """A reply to `message` as a ClientApp would send it (src node = the message's dst)."""
+    reply = Message(content, reply_to=message)
+    return reply
