@@ -46,7 +46,7 @@ class RunConfig:
     round_timeout: float = 600.0
     local_epochs: int = 1
     batch_size: int = 32
-    lr: float = 0.05
+    lr: float = 0.1
     momentum: float = 0.0
     weight_decay: float = 0.0
     proximal_mu: float = 0.0

@@ -69,6 +69,34 @@ def flower_env(flwr_home: Path, ray_tmpdir: Path) -> dict[str, str]:
     return env
 
 
+def superlink_command(
+    host: str, port: int, database: str | os.PathLike, *, simulation: bool, security: tuple[str, ...] = ("--insecure",)
+) -> list[str]:
+    """How concatfl starts a SuperLink (natively, in tests and in docker-compose.yml)."""
+    command = [
+        "flower-superlink",
+        *security,
+        f"--host={host}",
+        f"--port={port}",
+        f"--database={database}",
+        "--disable-runtime-dependency-installation",
+    ]
+    return command + (["--simulation", "--isolation=subprocess"] if simulation else [])
+
+
+def supernode_command(
+    superlink: str, port: int, partition_id: int, num_partitions: int, *, security: tuple[str, ...] = ("--insecure",)
+) -> list[str]:
+    """How concatfl starts a SuperNode holding partition `partition_id` of `num_partitions`."""
+    return [
+        "flower-supernode",
+        *security,
+        f"--superlink={superlink}",
+        f"--port={port}",
+        f"--node-config=partition-id={partition_id} num-partitions={num_partitions}",
+    ]
+
+
 class FlowerSession:
     """A private SuperLink and the `flwr` CLI pointed at it; stops all it started on exit.
 
@@ -109,16 +137,9 @@ class FlowerSession:
         return f"{self.host}:{self.port}"
 
     def __enter__(self) -> FlowerSession:
-        command = [
-            "flower-superlink",
-            *self.superlink_args,
-            "--host", self.host,
-            "--port", str(self.port),
-            "--database", str(self.flwr_home / "state.db"),
-            "--disable-runtime-dependency-installation",
-        ]
-        if self.simulation:
-            command += ["--simulation", "--isolation", "subprocess"]
+        command = superlink_command(
+            self.host, self.port, self.flwr_home / "state.db", simulation=self.simulation, security=self.superlink_args
+        )
         superlink = self.spawn(command, "superlink.log")
         _wait_for_port(self.host, self.port, superlink, self.workdir / "superlink.log")
         return self
@@ -142,16 +163,10 @@ class FlowerSession:
 
     def start_supernode(self, partition_id: int, num_partitions: int, *extra: str) -> subprocess.Popen[bytes]:
         """A real SuperNode holding partition `partition_id` of `num_partitions`."""
-        return self.spawn(
-            [
-                "flower-supernode",
-                *(extra or ("--insecure",)),
-                "--superlink", self.address,
-                "--port", str(free_port()),
-                "--node-config", f"partition-id={partition_id} num-partitions={num_partitions}",
-            ],
-            f"supernode-{partition_id}.log",
+        command = supernode_command(
+            self.address, free_port(), partition_id, num_partitions, security=extra or ("--insecure",)
         )
+        return self.spawn(command, f"supernode-{partition_id}.log")
 
     def flwr(self, args: list[str], timeout: float = 120) -> str:
         """Run the `flwr` CLI against this SuperLink; fail with its output on error."""

@@ -1,0 +1,13 @@
+# The two commands a newcomer needs (see README.md):
+#   make demo   install, then run a 10-client FedAvg simulation on the embedded digits dataset
+#   make test   install, then run the test suite
+.PHONY: install demo test
+
+install:
+	bash scripts/install.sh
+
+demo: install
+	.venv/bin/python -m concatfl.launch --num-supernodes 10 --workdir outputs/demo
+
+test: install
+	.venv/bin/python -m pytest
