@@ -91,3 +91,18 @@ def evaluate_handler(message: Message, context: Context) -> Message:
     )
     metrics = MetricRecord({"num-examples": len(data.y_test), "loss": loss, "accuracy": accuracy})
     return Message(RecordDict({"metrics": metrics}), reply_to=message)
+
+
+@app.query()
+def query_handler(message: Message, context: Context) -> Message:
+    """Answer `config["query"]`: `label-counts` → this client's training label counts.
+
+    A diagnostic for simulations (FedSeq's `report-label-counts`); a deployment that must not
+    reveal label counts simply does not enable it on the server.
+    """
+    config = client_config(context)
+    asked = message.content.config_records.get("config", {}).get("query")
+    if asked != "label-counts":
+        raise ValueError(f"unknown query {asked!r}; this ClientApp answers 'label-counts'")
+    counts = client_data(context, config).label_counts()
+    return Message(RecordDict({"metrics": MetricRecord({"label-counts": counts.tolist()})}), reply_to=message)

@@ -66,6 +66,7 @@ class RunConfig:
     fedseq_clf_layers: str = "all"
     fedseq_metric: str = "kl"
     fedseq_grouping: str = "greedy"
+    fedseq_greedy_merge: str = "half"
     fedseq_min_samples: int = 800
     fedseq_max_clients: int = 11
     fedseq_superclient_epochs: int = 1
@@ -120,6 +121,7 @@ class RunConfig:
         _choice("fedseq-clf-layers", self.fedseq_clf_layers, ("all", "last2", "last"))
         _choice("fedseq-metric", self.fedseq_metric, ("kl", "cosine", "euclidean", "wasserstein", "gini"))
         _choice("fedseq-grouping", self.fedseq_grouping, ("greedy", "kmeans", "random"))
+        _choice("fedseq-greedy-merge", self.fedseq_greedy_merge, ("half", "weighted"))
         if self.partition == "natural" and self.dataset != "femnist":
             raise ConfigError("partition='natural' (one client per group of writers) needs dataset='femnist'")
         _at_least("alpha", self.alpha, 0.0)

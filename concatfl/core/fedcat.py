@@ -1,0 +1,128 @@
+"""FedCat's rules as pure functions (Hu et al., "FedCat: Towards Accurate Federated Learning
+via Device Concatenation").
+
+Notation: K copies of the global model travel over K devices per round; r counts rounds from
+0 (since the current K took effect), offset = r % K is the position inside the K-round cycle,
+and every λ·K rounds the nodes are redrawn into K groups. Everything here is numpy in, numpy
+(or plain Python) out; randomness comes only from the `numpy.random.Generator` passed in, so the
+strategy's one seeded generator makes a run reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def devices_per_round(requested: int, fraction: float, num_nodes: int) -> int:
+    """K before it is capped by the nodes available: `requested` when > 0, else
+    round(fraction · N) and at least 2 (a cycle of one device would concatenate nothing)."""
+    if requested > 0:
+        return requested
+    return max(2, int(round(fraction * num_nodes)))
+
+
+def cycle_offset(round_index: int, k: int) -> int:
+    """Position of round r inside its K-round cycle (0 = the cycle starts, copies are made)."""
+    return round_index % k
+
+
+def is_grouping_round(round_index: int, k: int, group_cycles: int) -> bool:
+    """Whether the nodes are redrawn into groups at round r (every λ·K rounds, λ = `group_cycles`)."""
+    return round_index % (group_cycles * k) == 0
+
+
+def make_groups(nodes: Sequence[int], k: int, rng: np.random.Generator) -> list[list[int]]:
+    """Randomly split `nodes` into `k` groups whose sizes differ by at most one.
+
+    Indices are shuffled rather than the ids themselves, so node ids of any size (Flower's are
+    unsigned 64-bit) stay plain Python ints.
+    """
+    if not 1 <= k <= len(nodes):
+        raise ValueError(f"cannot split {len(nodes)} nodes into {k} non-empty groups")
+    order = rng.permutation(len(nodes))
+    return [[int(nodes[i]) for i in part] for part in np.array_split(order, k)]
+
+
+class CountTable:
+    """M: how often each node was selected at each cycle offset (N × K, rows made on first use).
+
+    A node never seen before has count 0 everywhere, so nodes that join later need no setup.
+    """
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self._rows: dict[int, np.ndarray] = {}
+
+    def counts(self, nodes: Sequence[int], offset: int) -> np.ndarray:
+        """M[node][offset] for each of `nodes`, in order."""
+        return np.array([self._rows[n][offset] if n in self._rows else 0 for n in nodes], dtype=np.int64)
+
+    def increment(self, node: int, offset: int) -> None:
+        """M[node][offset] += 1."""
+        self._rows.setdefault(int(node), np.zeros(self.k, dtype=np.int64))[offset] += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The table as node ids and an N × K count array."""
+        nodes = list(self._rows)
+        table = np.stack([self._rows[n] for n in nodes]) if nodes else np.zeros((0, self.k), np.int64)
+        return {"k": self.k, "nodes": nodes, "counts": table}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> CountTable:
+        """Rebuild a table saved with `state_dict`."""
+        table = cls(int(state["k"]))
+        table._rows = {int(n): np.array(row, dtype=np.int64) for n, row in zip(state["nodes"], state["counts"])}
+        return table
+
+
+def mbie_weights(counts: np.ndarray) -> np.ndarray:
+    """MBIE-EB exploration weights 1/√count; a count of 0 gives +inf (never tried: most wanted)."""
+    with np.errstate(divide="ignore"):
+        return 1.0 / np.sqrt(np.asarray(counts, dtype=np.float64))
+
+
+def pick_in_group(counts: np.ndarray, epsilon: float, rng: np.random.Generator) -> int:
+    """Index (into the group) of the device chosen given the group's counts at this offset.
+
+    With probability ε the device of largest weight (fewest selections; ties at random);
+    otherwise a draw with probability w/Σw. When some devices were never selected their weight
+    is +inf and w/Σw tends to the uniform distribution over exactly those devices, which is what
+    is drawn from.
+    """
+    weights = mbie_weights(counts)
+    if rng.random() < epsilon:
+        return int(rng.choice(np.flatnonzero(weights == weights.max())))
+    unvisited = np.isinf(weights)
+    probabilities = unvisited / unvisited.sum() if unvisited.any() else weights / weights.sum()
+    return int(rng.choice(len(weights), p=probabilities))
+
+
+def select_grouped(
+    groups: Sequence[Sequence[int]], table: CountTable, offset: int, epsilon: float, rng: np.random.Generator
+) -> list[int]:
+    """L_dev: one device per group (in group order) by `pick_in_group`, counting each choice in
+    M[dev][offset]."""
+    selected = []
+    for group in groups:
+        node = int(group[pick_in_group(table.counts(group, offset), epsilon, rng)])
+        table.increment(node, offset)
+        selected.append(node)
+    return selected
+
+
+def select_random(nodes: Sequence[int], k: int, rng: np.random.Generator) -> list[int]:
+    """The "w/ DC" ablation's L_dev: k distinct nodes drawn uniformly (no groups, no counts)."""
+    return [int(nodes[i]) for i in rng.choice(len(nodes), size=k, replace=False)]
+
+
+def dispatch(selected: Sequence[int], offset: int) -> list[int]:
+    """TrainIter: the device each copy goes to, `result[i]` for copy i = L_dev[(offset + i) % K].
+
+    Over a cycle (offset 0..K-1) copy i therefore visits the devices of groups i, i+1, …, i+K-1
+    (mod K): every group once, in the paper's order.
+    """
+    k = len(selected)
+    return [int(selected[(offset + i) % k]) for i in range(k)]

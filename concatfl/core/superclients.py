@@ -1,0 +1,379 @@
+"""FedSeq's superclients (Zaccone et al. 2022), as pure functions: approximate, compare, group.
+
+Stage 1 of FedSeq turns every client's pre-trained model into a vector ψ_k that stands for its
+label distribution, then groups clients into *superclients* whose merged data is as diverse as
+possible. This module holds every step of that, with no Flower import:
+
+* exemplars and the **confidence** approximator (`exemplar_indices`, `class_confidences`,
+  `confidence_vector`): p_{k,c} is the mean probability client k's model gives class c on the
+  server's class-c exemplars, normalized into a distribution;
+* the **classifier-weights** approximator (`select_fc_layers`, `classifier_vector`,
+  `reduce_pca`): the flattened fully-connected weights, reduced by PCA to 90 % of the variance;
+* the **metrics** τ (`METRICS`, `dissimilarity`), all "larger = more different";
+* the **groupings** φ (`greedy_grouping` with `merge_distribution`, `kmeans_grouping`,
+  `random_grouping`, dispatched by `group_clients`) with the min-samples / max-clients
+  stopping rule and the leftover rule (`absorb_leftovers`);
+* the grouping-quality report (`balance_ratio`, `covered_classes`, `describe_superclients`).
+
+Clients are identified by their row index in the arrays passed in; a grouping is a list of
+superclients, each a list of client indices.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.spatial import distance
+from scipy.stats import wasserstein_distance
+from sklearn.cluster import KMeans
+from sklearn.decomposition import PCA
+from sklearn.exceptions import ConvergenceWarning
+from torch import nn
+
+Grouping = list[list[int]]
+Metric = Callable[[np.ndarray, np.ndarray], float]
+
+GROUPINGS = ("greedy", "kmeans", "random")
+GREEDY_MERGES = ("half", "weighted")
+CLF_LAYERS = ("all", "last2", "last")
+CONF_NORMALIZATIONS = ("sum", "softmax")
+PCA_VARIANCE = 0.9
+# Added to every probability before a KL divergence so that zeros (a class a model never
+# predicts) give a large but finite divergence.
+KL_SMOOTHING = 1e-6
+
+
+# ---------------------------------------------------------------------- confidence approximator
+def exemplar_indices(labels: np.ndarray, per_class: int, rng: np.random.Generator) -> np.ndarray:
+    """Sorted indices of `per_class` random samples of every class (all of a smaller class)."""
+    labels = np.asarray(labels)
+    chosen = []
+    for label in np.unique(labels):
+        members = np.flatnonzero(labels == label)
+        chosen.append(rng.choice(members, size=min(per_class, len(members)), replace=False))
+    return np.sort(np.concatenate(chosen)) if chosen else np.zeros(0, dtype=np.int64)
+
+
+@torch.no_grad()
+def class_confidences(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    normalization: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device | str = "cpu",
+    batch_size: int = 512,
+) -> np.ndarray:
+    """p_c = mean probability `model` gives class c on the exemplars of class c (0 if none)."""
+    model.to(device).eval()
+    probs = []
+    for start in range(0, len(x), batch_size):
+        logits = model(normalization(x[start : start + batch_size]).to(device))
+        probs.append(torch.softmax(logits.float(), dim=1).cpu())
+    if not probs:
+        return np.zeros(num_classes)
+    own = torch.cat(probs).gather(1, y.long().view(-1, 1)).squeeze(1).double().numpy()
+    labels = y.numpy()
+    sums = np.bincount(labels, weights=own, minlength=num_classes)
+    counts = np.bincount(labels, minlength=num_classes)
+    return np.divide(sums, counts, out=np.zeros(num_classes), where=counts > 0)
+
+
+def confidence_vector(confidences: np.ndarray, normalize: str = "sum") -> np.ndarray:
+    """The confidence vector D̃_k: p_k scaled to sum to 1 (`sum`) or softmax(p_k) (paper's Eq. 3)."""
+    p = np.asarray(confidences, dtype=np.float64)
+    if normalize == "sum":
+        total = p.sum()
+        return p / total if total > 0 else np.full_like(p, 1.0 / len(p))
+    if normalize == "softmax":
+        shifted = np.exp(p - p.max())
+        return shifted / shifted.sum()
+    raise ValueError(f"normalize must be one of {CONF_NORMALIZATIONS}, got {normalize!r}")
+
+
+# ---------------------------------------------------------------------- classifier approximator
+def select_fc_layers(layer_names: Sequence[str], which: str) -> list[str]:
+    """The fully-connected layers ψ = clf reads: `all`, the last two (`last2`) or the `last`."""
+    if which not in CLF_LAYERS:
+        raise ValueError(f"clf layers must be one of {CLF_LAYERS}, got {which!r}")
+    names = list(layer_names)
+    return names if which == "all" else names[-(2 if which == "last2" else 1) :]
+
+
+def classifier_vector(state: Mapping[str, np.ndarray], layers: Sequence[str]) -> np.ndarray:
+    """All parameters (weights and biases) of `layers`, flattened in state-dict order."""
+    prefixes = tuple(f"{layer}." for layer in layers)
+    parts = [np.asarray(value, dtype=np.float64).ravel() for key, value in state.items() if key.startswith(prefixes)]
+    if not parts:
+        raise ValueError(f"no parameters of layers {list(layers)} in the state dict")
+    return np.concatenate(parts)
+
+
+def reduce_pca(vectors: np.ndarray, variance: float = PCA_VARIANCE, seed: int = 0) -> tuple[np.ndarray, float]:
+    """PCA projection keeping at least `variance` of the explained variance, and that fraction.
+
+    With fewer than two clients there is nothing to reduce: the vectors come back unchanged.
+    """
+    vectors = np.asarray(vectors, dtype=np.float64)
+    if len(vectors) < 2 or np.allclose(vectors, vectors[0]):
+        return vectors, 1.0
+    pca = PCA(n_components=variance, svd_solver="full", random_state=seed)
+    reduced = pca.fit_transform(vectors)
+    return reduced, float(pca.explained_variance_ratio_.sum())
+
+
+# ---------------------------------------------------------------------- metrics τ
+def kl_divergence(p: np.ndarray, q: np.ndarray) -> float:
+    """KL(p ‖ q) of two distributions, both smoothed by `KL_SMOOTHING` and renormalized."""
+    p = np.asarray(p, dtype=np.float64) + KL_SMOOTHING
+    q = np.asarray(q, dtype=np.float64) + KL_SMOOTHING
+    p, q = p / p.sum(), q / q.sum()
+    return float(np.sum(p * np.log(p / q)))
+
+
+def cosine_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """1 − cos(a, b)."""
+    return float(distance.cosine(a, b))
+
+
+def euclidean_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """‖a − b‖₂."""
+    return float(distance.euclidean(a, b))
+
+
+def class_wasserstein(p: np.ndarray, q: np.ndarray) -> float:
+    """Earth mover's distance between two distributions over the class index 0, 1, …, C−1."""
+    classes = np.arange(len(p))
+    return float(wasserstein_distance(classes, classes, u_weights=p, v_weights=q))
+
+
+def gini_index(p: np.ndarray) -> float:
+    """Gini coefficient of a distribution: 0 when uniform, (C−1)/C when one-hot."""
+    p = np.asarray(p, dtype=np.float64)
+    total = p.sum()
+    if total <= 0:
+        return 0.0
+    return float(np.abs(p[:, None] - p[None, :]).sum() / (2 * len(p) * total))
+
+
+def gini_merge_score(a: np.ndarray, b: np.ndarray) -> float:
+    """1 − Gini(½a + ½b): larger when merging b into a gives a more uniform distribution.
+
+    Greedy merges as D_S ← ½·D_S + ½·D̃_j, so this ranks candidates by the Gini index of the
+    very distribution the merge would produce.
+    """
+    return 1.0 - gini_index(0.5 * np.asarray(a) + 0.5 * np.asarray(b))
+
+
+METRICS: dict[str, Metric] = {
+    "kl": kl_divergence,
+    "cosine": cosine_distance,
+    "euclidean": euclidean_distance,
+    "wasserstein": class_wasserstein,
+    "gini": gini_merge_score,
+}
+
+
+def dissimilarity(metric: str, candidate: np.ndarray, superclient: np.ndarray) -> float:
+    """τ(D̃_j, D_S) for the metric named `metric` (larger = a better addition)."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {tuple(METRICS)}, got {metric!r}")
+    return METRICS[metric](candidate, superclient)
+
+
+# ---------------------------------------------------------------------- groupings φ
+def _open(samples: float, members: int, min_samples: int, max_clients: int) -> bool:
+    """The shared stopping rule: a superclient keeps growing while both limits allow it."""
+    return samples < min_samples and members < max_clients
+
+
+def merge_distribution(
+    merged: np.ndarray, samples: float, added: np.ndarray, added_samples: float, how: str
+) -> np.ndarray:
+    """D_S after adding a client: `half` = ½·D_S + ½·D̃_j (paper's Alg. 3), `weighted` =
+    (N_S·D_S + n_j·D̃_j) / (N_S + n_j), the estimated distribution of the merged data."""
+    if how == "half":
+        return 0.5 * merged + 0.5 * added
+    if how == "weighted":
+        return (samples * merged + added_samples * added) / (samples + added_samples)
+    raise ValueError(f"merge must be one of {GREEDY_MERGES}, got {how!r}")
+
+
+def greedy_grouping(
+    vectors: np.ndarray,
+    sizes: Sequence[int],
+    metric: str,
+    min_samples: int,
+    max_clients: int,
+    rng: np.random.Generator,
+    merge: str = "half",
+) -> Grouping:
+    """Paper's Alg. 3: seed with a random client, then add the most different one, repeatedly.
+
+    D_S starts as the seed's vector; each added client j is argmax_j τ(D̃_j, D_S) over the
+    remaining clients (ties: the lowest index), then D_S is updated by `merge_distribution`.
+    With `half` the weight of the first members halves at every addition, so after ~7 clients
+    a class covered early can look as absent as an uncovered one; `weighted` does not forget.
+    """
+    vectors = np.asarray(vectors, dtype=np.float64)
+    remaining = list(range(len(vectors)))
+    groups: Grouping = []
+    while remaining:
+        seed = remaining.pop(int(rng.integers(len(remaining))))
+        group, merged, samples = [seed], vectors[seed].copy(), sizes[seed]
+        while remaining and _open(samples, len(group), min_samples, max_clients):
+            scores = [dissimilarity(metric, vectors[j], merged) for j in remaining]
+            chosen = remaining.pop(int(np.argmax(scores)))
+            group.append(chosen)
+            merged = merge_distribution(merged, samples, vectors[chosen], sizes[chosen], merge)
+            samples += sizes[chosen]
+        groups.append(group)
+    return absorb_leftovers(groups, sizes, min_samples, max_clients)
+
+
+def kmeans_grouping(
+    vectors: np.ndarray,
+    sizes: Sequence[int],
+    num_clusters: int,
+    min_samples: int,
+    max_clients: int,
+    rng: np.random.Generator,
+) -> Grouping:
+    """Paper's Alg. 2: K-means on the vectors, then superclients drawn across the clusters.
+
+    K-means uses k = min(num_clusters, clients) (FedSeq takes the number of classes). Each
+    superclient is filled with one random client of cluster j at a time, j ← (j+1) mod k,
+    skipping emptied clusters; j carries on from one superclient to the next.
+    """
+    vectors = np.asarray(vectors, dtype=np.float64)
+    k = min(num_clusters, len(vectors))
+    if k == 0:
+        return []
+    with warnings.catch_warnings():
+        # Fewer distinct vectors than k (e.g. identical clients) only leaves clusters empty.
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        labels = KMeans(n_clusters=k, n_init=10, random_state=int(rng.integers(2**31))).fit_predict(vectors)
+    clusters = [list(np.flatnonzero(labels == j)) for j in range(k)]
+    groups: Grouping = []
+    j = 0
+    while any(clusters):
+        group: list[int] = []
+        samples = 0
+        while any(clusters) and _open(samples, len(group), min_samples, max_clients):
+            while not clusters[j]:
+                j = (j + 1) % k
+            chosen = int(clusters[j].pop(int(rng.integers(len(clusters[j])))))
+            group.append(chosen)
+            samples += sizes[chosen]
+            j = (j + 1) % k
+        groups.append(group)
+    return absorb_leftovers(groups, sizes, min_samples, max_clients)
+
+
+def random_grouping(
+    sizes: Sequence[int], min_samples: int, max_clients: int, rng: np.random.Generator
+) -> Grouping:
+    """Clients in random order, cut into superclients by the same stopping rule."""
+    groups: Grouping = []
+    group: list[int] = []
+    samples = 0
+    for client in rng.permutation(len(sizes)):
+        group.append(int(client))
+        samples += sizes[client]
+        if not _open(samples, len(group), min_samples, max_clients):
+            groups.append(group)
+            group, samples = [], 0
+    if group:
+        groups.append(group)
+    return absorb_leftovers(groups, sizes, min_samples, max_clients)
+
+
+def absorb_leftovers(groups: Grouping, sizes: Sequence[int], min_samples: int, max_clients: int) -> Grouping:
+    """The leftover rule: a last superclient below `min_samples` is dissolved.
+
+    Its clients go, one by one, to the superclient that has the fewest samples at that moment
+    among those with fewer than `max_clients` clients (ties: the earliest). Clients for which
+    no superclient has room stay together as the last superclient: max-clients bounds the
+    length of a chain, so it wins over min-samples. A single superclient is never dissolved.
+    """
+    if len(groups) < 2 or sum(sizes[c] for c in groups[-1]) >= min_samples:
+        return [list(group) for group in groups]
+    kept = [list(group) for group in groups[:-1]]
+    stranded: list[int] = []
+    for client in groups[-1]:
+        room = [i for i, group in enumerate(kept) if len(group) < max_clients]
+        if not room:
+            stranded.append(client)
+            continue
+        target = min(room, key=lambda i: (sum(sizes[c] for c in kept[i]), i))
+        kept[target].append(client)
+    return kept + [stranded] if stranded else kept
+
+
+def group_clients(
+    method: str,
+    vectors: np.ndarray,
+    sizes: Sequence[int],
+    *,
+    metric: str,
+    num_clusters: int,
+    min_samples: int,
+    max_clients: int,
+    rng: np.random.Generator,
+    merge: str = "half",
+) -> Grouping:
+    """Dispatch to the grouping named `method` (`greedy`, `kmeans` or `random`)."""
+    if method == "greedy":
+        return greedy_grouping(vectors, sizes, metric, min_samples, max_clients, rng, merge)
+    if method == "kmeans":
+        return kmeans_grouping(vectors, sizes, num_clusters, min_samples, max_clients, rng)
+    if method == "random":
+        return random_grouping(sizes, min_samples, max_clients, rng)
+    raise ValueError(f"grouping must be one of {GROUPINGS}, got {method!r}")
+
+
+# ---------------------------------------------------------------------- grouping quality
+def balance_ratio(class_counts: np.ndarray) -> float:
+    """min_c N_c / max_c N_c: 1 for perfectly balanced data, 0 when a class is missing."""
+    counts = np.asarray(class_counts, dtype=np.float64)
+    top = counts.max() if counts.size else 0.0
+    return float(counts.min() / top) if top > 0 else 0.0
+
+
+def covered_classes(class_counts: np.ndarray, min_share: float = 0.0) -> list[int]:
+    """Classes whose share of the samples is above `min_share` (0: any sample at all)."""
+    counts = np.asarray(class_counts, dtype=np.float64)
+    total = counts.sum()
+    if total <= 0:
+        return []
+    return [int(c) for c in np.flatnonzero(counts / total > min_share)]
+
+
+def describe_superclients(
+    groups: Grouping, sizes: Sequence[int], class_counts: np.ndarray, min_share: float = 0.0
+) -> list[dict[str, Any]]:
+    """Per superclient: clients, samples, balance ratio and covered classes (JSON-ready).
+
+    `class_counts[k]` is client k's per-class sample count: the true label counts, or the
+    estimate n_k·D̃_k from the confidence vectors (then pass a `min_share` such as half the
+    uniform share, because an estimate is never exactly zero).
+    """
+    counts = np.asarray(class_counts, dtype=np.float64)
+    described = []
+    for group in groups:
+        merged = counts[group].sum(axis=0)
+        classes = covered_classes(merged, min_share)
+        described.append(
+            {
+                "clients": len(group),
+                "samples": int(sum(sizes[c] for c in group)),
+                "balance_ratio": round(balance_ratio(merged), 4),
+                "covered_classes": len(classes),
+                "classes": classes,
+            }
+        )
+    return described

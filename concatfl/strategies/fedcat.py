@@ -1,0 +1,308 @@
+"""FedCat: device concatenation with grouping- and count-based selection (Hu et al.).
+
+The pure rules (grouping, count table, MBIE-EB/ε-greedy selection, dispatch) live in
+`concatfl.core.fedcat`; this module turns them into train messages and folds the replies back
+into the K model copies.
+"""
+
+from __future__ import annotations
+
+from logging import INFO, WARNING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from flwr.supercore import log
+
+from ..core.fedcat import (
+    CountTable,
+    cycle_offset,
+    devices_per_round,
+    dispatch,
+    is_grouping_round,
+    make_groups,
+    select_grouped,
+    select_random,
+)
+from .base import EvaluateFn, RelayStrategy
+from .common import NUM_EXAMPLES_KEY, HopResult, Request, live_node_ids, train_content, weighted_average
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+    from ..runtime import ServerEnv
+
+SELECTIONS = ("grouped-count", "random")
+
+
+class FedCat(RelayStrategy):
+    """FedCat: K copies of the global model each train on a chain of K devices, one per round,
+    before the server averages them.
+
+    At the start of each K-round cycle the server makes K copies m_1..m_K of the global model
+    with accumulated data sizes d_i = 0. Every round it selects one device per group (L_dev) and
+    sends copy i to L_dev[(offset + i) % K], offset = round % K; each device trains its copy as
+    an ordinary Flower train message, the returned model replaces the copy and d_i grows by the
+    device's num-examples. After the cycle's last round the global model becomes
+    Σ d_i·m_i / Σ d_i and is evaluated. Every λ·K rounds the connected nodes are redrawn into K
+    groups of (nearly) equal size. Per round K models go down and K come up, like FedAvg with
+    K clients. A run whose last round falls inside a cycle returns the average of the copies so
+    far as its final model (the copies themselves are left as they are).
+
+    Each round's record (metrics.json) holds ``k``, ``offset``, ``selected`` (L_dev),
+    ``copy_to_device`` (entry i: the node copy i went to), ``data_sizes`` (d_i after the round)
+    and, when they were redrawn, ``groups``.
+
+    Only ``"arrays"`` are sent (with the run's training config plus ``"server-round"``) and only
+    ``"arrays"`` and ``metrics["num-examples"]`` are read back, so any Flower ClientApp works.
+
+    Faults: a missing, error or invalid reply (wrong keys/shapes/dtypes, NaN/Inf,
+    num-examples ≤ 0, rejected with a logged reason by `common.collect`) leaves that copy and
+    its d_i unchanged. Nodes missing from `grid.get_node_ids()` leave their groups; the groups
+    are redrawn at the next grouping point, or at once when a group became empty. When fewer
+    than K nodes remain, K shrinks to the nodes available (logged): the open cycle's copies are
+    averaged into the global model first, so no training is lost, and a new cycle with new
+    groups and a fresh count table starts (offsets of a different cycle length are not
+    comparable). K never grows back.
+
+    Parameters
+    ----------
+    k : int (default: 0)
+        Devices per round K (= copies = rounds per cycle). 0 picks round(fraction_train · N),
+        at least 2, from the N nodes connected at the first round.
+    fraction_train : float (default: 1.0)
+        Only used when `k` is 0.
+    group_cycles : int (default: 2)
+        λ: groups are redrawn every λ cycles (λ·K rounds). The paper gives no value. A group
+        supplies one device per round, so a grouping lasting λ·K rounds can rotate through all
+        N/K members of each group only if λ·K ≥ N/K, i.e. N ≤ λ·K². λ = 2 is the smallest value
+        meeting this at K = 0.2·N for N ≥ 13 (e.g. 20 nodes, K = 4: 8 rounds per grouping for
+        groups of 5, where λ = 1 gives only 4) and at K = 0.1·N for N ≥ 50; larger λ only
+        slows the mixing of which devices can meet in one copy's chain.
+    epsilon : float (default: 0.5)
+        ε: probability of taking a group's device with the fewest selections at the current
+        offset (largest MBIE-EB weight 1/√count) instead of drawing one with probability
+        proportional to that weight. Both branches prefer never-selected devices; ε only sets
+        how greedily the least-used device is preferred afterwards. The paper gives no value;
+        0.5 weighs the two equally.
+    selection : str (default: "grouped-count")
+        "grouped-count" (the paper's grouping + count-based selection) or "random" (K distinct
+        nodes drawn uniformly each round, no groups and no counts: the "FedCat w/ DC" ablation).
+    concat : bool (default: True)
+        False averages the copies after every round instead of every K rounds (the
+        "FedCat w/ GC" ablation); with `selection="random"` this is FedAvg with K clients.
+    fraction_evaluate, round_timeout, seed
+        See `RelayStrategy`.
+    """
+
+    # pylint: disable=too-many-arguments, too-many-instance-attributes
+    def __init__(
+        self,
+        k: int = 0,
+        fraction_train: float = 1.0,
+        group_cycles: int = 2,
+        epsilon: float = 0.5,
+        selection: str = "grouped-count",
+        concat: bool = True,
+        fraction_evaluate: float = 0.0,
+        round_timeout: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(fraction_evaluate=fraction_evaluate, round_timeout=round_timeout, seed=seed)
+        if k < 0 or k == 1:
+            raise ValueError(f"k must be 0 (auto) or >= 2, got {k}")
+        if not 0.0 < fraction_train <= 1.0:
+            raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
+        if group_cycles < 1:
+            raise ValueError(f"group_cycles (λ) must be a positive integer, got {group_cycles}")
+        if not 0.0 <= epsilon <= 1.0:
+            raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+        self.k = k
+        self.fraction_train = fraction_train
+        self.group_cycles = group_cycles
+        self.epsilon = epsilon
+        self.selection = selection
+        self.concat = concat
+        # The algorithm's state (all saved by `state_dict`); K is fixed at the first round.
+        self._k: int | None = None
+        self._round_index = 0  # r, counted from when the current K took effect
+        self._groups: list[list[int]] = []
+        self._counts = CountTable(0)
+        self._copies: list[ArrayRecord] = []
+        self._data_sizes = np.zeros(0, dtype=np.int64)
+        self._selected: list[int] = []
+        # Transient within a round: the global model folded from the copies when K shrank.
+        self._folded: ArrayRecord | None = None
+        self._last_round: int | None = None
+
+    # ------------------------------------------------------------------ rounds
+    def train_requests(
+        self, server_round: int, hop: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Request]:
+        """Hop 0: copy i to L_dev[(offset + i) % K]; a FedCat round has one hop."""
+        if hop > 0:
+            return []
+        nodes = live_node_ids(grid)
+        if not nodes:
+            log(WARNING, "FedCat: no connected nodes; round %s trains nothing", server_round)
+            return []
+        global_arrays = self._follow_nodes(nodes, arrays)
+        k = self._require_k()
+        offset = cycle_offset(self._round_index, k)
+        if self.selection == "grouped-count":
+            self._update_groups(nodes, k)
+            self._selected = select_grouped(self._groups, self._counts, offset, self.epsilon, self.rng)
+        else:
+            self._selected = select_random(nodes, k, self.rng)
+        if offset == 0 or not self.concat:
+            self._copies = [global_arrays] * k
+            self._data_sizes = np.zeros(k, dtype=np.int64)
+        plan = dispatch(self._selected, offset)
+        self.record("k", k)
+        self.record("offset", offset)
+        self.record("selected", list(self._selected))
+        self.record("copy_to_device", plan)
+        settings: dict[str, Any] = {**dict(config), "server-round": server_round}
+        return [Request(node, train_content(self._copies[i], settings), tag=i) for i, node in enumerate(plan)]
+
+    def aggregate_hop(
+        self, server_round: int, hop: HopResult
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Valid replies replace their copy and add to its d_i; the copies are averaged after the
+        cycle's last round (every round without concatenation, and at the run's last round)."""
+        for reply in hop.replies:
+            # The returned model is m_i + (returned − sent) with m_i the copy that was sent.
+            self._copies[reply.request.tag] = reply.arrays
+            self._data_sizes[reply.request.tag] += reply.num_examples
+        self.record("data_sizes", [int(d) for d in self._data_sizes])
+        k = self._require_k()
+        cycle_ends = cycle_offset(self._round_index, k) == k - 1 or not self.concat
+        self._round_index += 1
+        new_global, self._folded = self._folded, None
+        if cycle_ends or server_round == self._last_round:
+            if not cycle_ends:
+                log(INFO, "FedCat: last round inside a cycle; returning the average of the copies so far")
+            averaged = self._average_copies()
+            new_global = new_global if averaged is None else averaged
+        metrics = (
+            aggregate_metricrecords([reply.content for reply in hop.replies], NUM_EXAMPLES_KEY)
+            if hop.replies
+            else None
+        )
+        return new_global, metrics
+
+    # pylint: disable=too-many-arguments
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: EvaluateFn | None = None,
+    ) -> Result:
+        """`RelayStrategy.start`, remembering the last round so that a run whose length is not
+        a multiple of K still ends with a model that includes its last, unfinished cycle (the
+        copies themselves go on unchanged, so a resumed run is not affected)."""
+        self._last_round = num_rounds
+        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Base state plus K, r, groups, count table, last L_dev, copies (numpy) and d_i."""
+        state = super().state_dict()
+        state["fedcat"] = {
+            "k": self._k,
+            "round_index": self._round_index,
+            "groups": [list(group) for group in self._groups],
+            "counts": self._counts.state_dict(),
+            "selected": list(self._selected),
+            "copies": [{key: array.numpy() for key, array in copy.items()} for copy in self._copies],
+            "data_sizes": self._data_sizes.copy(),
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        super().load_state_dict(state)
+        saved = state["fedcat"]
+        self._k = saved["k"]
+        self._round_index = int(saved["round_index"])
+        self._groups = [[int(node) for node in group] for group in saved["groups"]]
+        self._counts = CountTable.from_state(saved["counts"])
+        self._selected = [int(node) for node in saved["selected"]]
+        self._copies = [
+            ArrayRecord({key: Array(np.array(value)) for key, value in copy.items()}) for copy in saved["copies"]
+        ]
+        self._data_sizes = np.array(saved["data_sizes"], dtype=np.int64)
+
+    # ------------------------------------------------------------------ helpers
+    def _require_k(self) -> int:
+        if self._k is None:
+            raise RuntimeError("FedCat's K is set at the first round; no round has started yet")
+        return self._k
+
+    def _follow_nodes(self, nodes: list[int], arrays: ArrayRecord) -> ArrayRecord:
+        """Fix K at the first round, drop vanished nodes from the groups, and shrink K when fewer
+        than K nodes remain. Returns the global model the next copies start from."""
+        if self._k is None:
+            wanted = devices_per_round(self.k, self.fraction_train, len(nodes))
+            self._k = min(wanted, len(nodes))
+            if self._k < wanted:
+                log(WARNING, "FedCat: K=%s but only %s nodes are connected; K=%s", wanted, len(nodes), self._k)
+            self._counts = CountTable(self._k)
+            return arrays
+        alive = set(nodes)
+        gone = sorted({node for group in self._groups for node in group} - alive)
+        if gone:
+            log(WARNING, "FedCat: nodes %s disconnected and leave their groups", gone)
+            self._groups = [[node for node in group if node in alive] for group in self._groups]
+        if len(nodes) >= self._k:
+            return arrays
+        log(WARNING, "FedCat: only %s nodes remain for K=%s; K shrinks to %s", len(nodes), self._k, len(nodes))
+        # The open cycle is closed early so the copies' training reaches the global model.
+        cycle_open = self.concat and self._round_index % self._k != 0
+        self._folded = self._average_copies() if cycle_open else None
+        self._k = len(nodes)
+        self._round_index = 0
+        self._counts = CountTable(self._k)
+        self._groups = []
+        return arrays if self._folded is None else self._folded
+
+    def _update_groups(self, nodes: list[int], k: int) -> None:
+        """Redraw the groups at a grouping point, or at once when a group has no node left."""
+        if is_grouping_round(self._round_index, k, self.group_cycles):
+            reason = "grouping point"
+        elif any(not group for group in self._groups):
+            reason = "a group lost all its nodes"
+        else:
+            return
+        self._groups = make_groups(nodes, k, self.rng)
+        log(INFO, "FedCat: new groups (%s): %s", reason, self._groups)
+        self.record("groups", [list(group) for group in self._groups])
+
+    def _average_copies(self) -> ArrayRecord | None:
+        """Σ d_i·m_i / Σ d_i, or None when no copy has trained yet."""
+        if self._data_sizes.sum() <= 0:
+            return None
+        return weighted_average(self._copies, [float(d) for d in self._data_sizes])
+
+
+def build(config: RunConfig, env: ServerEnv) -> FedCat:
+    """FedCat (or one of its ablations) from the run config."""
+    return FedCat(
+        k=config.fedcat_k,
+        fraction_train=config.fraction_train,
+        group_cycles=config.fedcat_lambda,
+        epsilon=config.fedcat_epsilon,
+        selection=config.fedcat_selection,
+        concat=config.fedcat_concat,
+        fraction_evaluate=config.fraction_evaluate,
+        round_timeout=config.timeout,
+        seed=config.seed,
+    )

@@ -1,0 +1,583 @@
+"""FedSeq and FedSeqInter (Zaccone et al. 2022): sequential training inside superclients.
+
+Stage 1 (`setup`, once): every connected client pre-trains the initial model; the server turns
+each returned model into an approximation ψ of the client's label distribution and groups the
+clients into superclients of diverse data (`concatfl.core.superclients`).
+
+Stage 2 (rounds): the model of a selected superclient travels along its shuffled client chain.
+The server is the relay: hop h sends, in one batch, each selected superclient's current model to
+its h-th client, so a round has as many hops as the longest chain. Only ordinary train messages
+are used, so any Flower ClientApp that trains on "arrays" + "config" works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from flwr.supercore import log
+from torch import nn
+
+from ..config import FEDSEQ_DISTRIBUTION_METRICS
+from ..core import superclients as sc
+from ..models import fc_layer_names
+from .base import RelayStrategy
+from .common import (
+    CONFIG_KEY,
+    METRICS_KEY,
+    NUM_EXAMPLES_KEY,
+    HopResult,
+    Request,
+    live_node_ids,
+    train_content,
+    weighted_average,
+)
+from .fedavg import sample_count
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+    from ..runtime import ServerEnv
+
+APPROXIMATORS = ("conf", "clf")
+LABEL_COUNTS_KEY = "label-counts"
+
+
+@dataclass
+class _Chain:
+    """One selected superclient during a round: where its model is and what happened to it."""
+
+    superclient: int
+    order: list[int]  # node ids, one pass repeated E_S times
+    model: ArrayRecord
+    weight: int  # |D_S|
+    slot: int | None = None
+    trained: int = 0
+    missed: list[int] = field(default_factory=list)
+
+
+class FedSeq(RelayStrategy):
+    """FedSeq: superclients of diverse clients, each training one model sequentially.
+
+    Every round a fraction of the superclients is sampled; in each, the client order is
+    shuffled and the model goes from client to client (each trains its `local-epochs`), the
+    whole chain `superclient_epochs` times. The new global model is the average of the
+    superclient models weighted by their sample counts |D_S|. A client that misses its turn
+    (no reply, error, invalid reply) is skipped: the model it was given goes on to the next
+    client. A node that left the grid is dropped from its superclient before the next round,
+    and a superclient left empty disappears. Clients that join after stage 1 are not used.
+
+    Parameters
+    ----------
+    make_model : Callable[[], nn.Module]
+        Builds the run's model; stage 1 loads each client's pre-trained weights into it.
+    num_classes : int
+        Number of classes (length of the confidence vectors; k of the K-means grouping).
+    exemplar_pool : tuple[torch.Tensor, torch.Tensor] | None (default: None)
+        (x in [0, 1], y) from which the `conf` approximator draws its public exemplars, usually
+        the global test split. Required when `approximator='conf'`.
+    exclude_exemplars : Callable[[np.ndarray], None] | None (default: None)
+        Called with the exemplars' indices into `exemplar_pool` as soon as they are drawn (in
+        the constructor) and again after `load_state_dict`, so the caller removes them from its
+        evaluation set.
+    normalization : Callable[[torch.Tensor], torch.Tensor] | None (default: None)
+        Applied to the exemplars before the forward pass (identity when None).
+    device : torch.device | str (default: "cpu")
+        Where the server runs the exemplars through the clients' models.
+    approximator : str (default: "conf")
+        ψ: `conf` (confidence vectors on the exemplars) or `clf` (classifier weights + PCA).
+    exemplars_per_class : int (default: 10)
+        J, exemplars drawn per class for `conf`.
+    conf_normalize : str (default: "sum")
+        How p_k becomes a distribution: `sum` (divide by the sum) or `softmax` (paper's Eq. 3).
+    clf_layers : str (default: "all")
+        Fully-connected layers read by `clf`: `all`, `last2` or `last` (the classifier).
+    metric : str (default: "kl")
+        τ of the greedy grouping: `kl`, `cosine`, `euclidean`, `wasserstein` or `gini`. `kl`,
+        `wasserstein` and `gini` compare distributions and need `approximator='conf'`.
+    grouping : str (default: "greedy")
+        φ: `greedy` (paper's Alg. 3), `kmeans` (Alg. 2) or `random`.
+    greedy_merge : str (default: "half")
+        How greedy updates D_S after adding client j: `half` = ½·D_S + ½·D̃_j (paper's Alg. 3)
+        or `weighted` = the sample-weighted mean of the members' vectors (see
+        `concatfl.core.superclients.greedy_grouping` for why it can matter).
+    min_samples : int (default: 800)
+        |D_S|min: a superclient stops growing once it holds this many samples.
+    max_clients : int (default: 11)
+        K_S,max: a superclient stops growing at this many clients.
+    pretrain_epochs : int (default: 10)
+        Local epochs of stage 1's pre-training (sent as ``config["local-epochs"]``).
+    superclient_epochs : int (default: 1)
+        E_S: passes of the model along a superclient's chain per round.
+    fraction_train : float (default: 1.0)
+        C: fraction of the superclients selected per round (at least one).
+    proximal_mu : float (default: 0.0)
+        Sent as ``config["proximal-mu"]`` in stage 2; > 0 makes each client's FedProx term pull
+        toward the model it received, i.e. the previous client's (paper's Eq. 5).
+    report_label_counts : bool (default: False)
+        Diagnostic for simulations: ask every client for its true label counts (a "query"
+        message answered with ``metrics["label-counts"]``) and report the superclients'
+        balance from them too.
+    fraction_evaluate, round_timeout, seed
+        See `RelayStrategy`.
+    """
+
+    # pylint: disable=too-many-arguments, too-many-locals, too-many-instance-attributes
+    def __init__(
+        self,
+        make_model: Callable[[], nn.Module],
+        num_classes: int,
+        *,
+        exemplar_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
+        exclude_exemplars: Callable[[np.ndarray], None] | None = None,
+        normalization: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        device: torch.device | str = "cpu",
+        approximator: str = "conf",
+        exemplars_per_class: int = 10,
+        conf_normalize: str = "sum",
+        clf_layers: str = "all",
+        metric: str = "kl",
+        grouping: str = "greedy",
+        greedy_merge: str = "half",
+        min_samples: int = 800,
+        max_clients: int = 11,
+        pretrain_epochs: int = 10,
+        superclient_epochs: int = 1,
+        fraction_train: float = 1.0,
+        proximal_mu: float = 0.0,
+        report_label_counts: bool = False,
+        fraction_evaluate: float = 0.0,
+        round_timeout: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(fraction_evaluate=fraction_evaluate, round_timeout=round_timeout, seed=seed)
+        _check_choice("approximator", approximator, APPROXIMATORS)
+        _check_choice("conf_normalize", conf_normalize, sc.CONF_NORMALIZATIONS)
+        _check_choice("clf_layers", clf_layers, sc.CLF_LAYERS)
+        _check_choice("metric", metric, tuple(sc.METRICS))
+        _check_choice("grouping", grouping, sc.GROUPINGS)
+        _check_choice("greedy_merge", greedy_merge, sc.GREEDY_MERGES)
+        if metric in FEDSEQ_DISTRIBUTION_METRICS and approximator != "conf":
+            raise ValueError(
+                f"metric '{metric}' compares distributions and needs approximator 'conf'; "
+                "with 'clf' use 'cosine' or 'euclidean'"
+            )
+        if approximator == "conf" and exemplar_pool is None:
+            raise ValueError("approximator 'conf' needs an exemplar_pool (x, y) on the server")
+        for name, value in (("min_samples", min_samples), ("max_clients", max_clients),
+                            ("pretrain_epochs", pretrain_epochs), ("superclient_epochs", superclient_epochs),
+                            ("exemplars_per_class", exemplars_per_class), ("num_classes", num_classes)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0.0 < fraction_train <= 1.0:
+            raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
+        if proximal_mu < 0:
+            raise ValueError(f"proximal_mu must be >= 0, got {proximal_mu}")
+        self.num_classes = num_classes
+        self.approximator = approximator
+        self.exemplars_per_class = exemplars_per_class
+        self.conf_normalize = conf_normalize
+        self.clf_layers = clf_layers
+        self.metric = metric
+        self.grouping = grouping
+        self.greedy_merge = greedy_merge
+        self.min_samples = min_samples
+        self.max_clients = max_clients
+        self.pretrain_epochs = pretrain_epochs
+        self.superclient_epochs = superclient_epochs
+        self.fraction_train = fraction_train
+        self.proximal_mu = proximal_mu
+        self.report_label_counts = report_label_counts
+        self.superclients: dict[int, list[int]] = {}
+        self.client_samples: dict[int, int] = {}
+        self._make_model = make_model
+        self._normalization = normalization if normalization is not None else _identity
+        self._device = torch.device(device)
+        self._exclude_exemplars = exclude_exemplars
+        self._pool = exemplar_pool
+        self._exemplars = np.zeros(0, dtype=np.int64)
+        if approximator == "conf" and exemplar_pool is not None:
+            self._exemplars = sc.exemplar_indices(exemplar_pool[1].numpy(), exemplars_per_class, self.rng)
+            self._announce_exemplars()
+        self._chains: list[_Chain] = []
+        self._hops_done = 0
+        self._round_metrics: list[RecordDict] = []
+
+    # ------------------------------------------------------------------ stage 1
+    def setup(self, grid: Grid, initial_arrays: ArrayRecord, train_config: ConfigRecord) -> None:
+        """Pre-train on every connected client, approximate ψ, group, and report."""
+        settings = {**dict(train_config), "server-round": 0, "local-epochs": self.pretrain_epochs, "proximal-mu": 0.0}
+        nodes = live_node_ids(grid)
+        requests = [Request(node, train_content(initial_arrays, settings), tag="pretrain") for node in nodes]
+        pretraining = self.hop(grid, requests)
+        replies = sorted(pretraining.replies, key=lambda reply: reply.node_id)
+        if not replies:
+            raise RuntimeError(f"FedSeq pre-training: none of the {len(nodes)} nodes returned a usable model")
+        node_ids = [reply.node_id for reply in replies]
+        sizes = [reply.num_examples for reply in replies]
+        vectors, approximation = self._approximate([reply.arrays for reply in replies])
+        groups = sc.group_clients(
+            self.grouping,
+            vectors,
+            sizes,
+            metric=self.metric,
+            num_clusters=self.num_classes,
+            min_samples=self.min_samples,
+            max_clients=self.max_clients,
+            rng=self.rng,
+            merge=self.greedy_merge,
+        )
+        self.client_samples = dict(zip(node_ids, sizes))
+        self.superclients = {sid: [node_ids[c] for c in group] for sid, group in enumerate(groups)}
+        hops = [pretraining]
+        report = self._grouping_report(groups, node_ids, sizes, vectors)
+        if self.report_label_counts:
+            query = self._label_count_hop(grid, node_ids)
+            hops.append(query)
+            self._attach_true_labels(report, groups, node_ids, sizes, query)
+        self.setup_record = {
+            "pretraining": pretraining.as_record(),
+            "bytes_sent": sum(hop.bytes_sent for hop in hops),
+            "bytes_received": sum(hop.bytes_received for hop in hops),
+            "seconds": round(sum(hop.seconds for hop in hops), 4),
+            "clients": len(node_ids),
+            "left_out": sorted(miss.request.node_id for miss in pretraining.misses),
+            "approximator": self.approximator,
+            "metric": self.metric if self.grouping == "greedy" else None,
+            "greedy_merge": self.greedy_merge if self.grouping == "greedy" else None,
+            "grouping": self.grouping,
+            "min_samples": self.min_samples,
+            "max_clients": self.max_clients,
+            **approximation,
+            **report,
+        }
+        _log_report(self.setup_record)
+
+    def _approximate(self, models: list[ArrayRecord]) -> tuple[np.ndarray, dict[str, Any]]:
+        """ψ of every returned model (rows in the order given) and what to report about it."""
+        # A throw-away module to load each client's weights into; fork the RNG so building it
+        # leaves the server's torch random state as it was.
+        with torch.random.fork_rng(devices=[]):
+            module = self._make_model()
+        if self.approximator == "conf":
+            assert self._pool is not None
+            x, y = self._pool[0][self._exemplars], self._pool[1][self._exemplars]
+            vectors = []
+            for arrays in models:
+                module.load_state_dict(arrays.to_torch_state_dict())
+                confidences = sc.class_confidences(module, x, y, self.num_classes, self._normalization, self._device)
+                vectors.append(sc.confidence_vector(confidences, self.conf_normalize))
+            return np.stack(vectors), {"exemplars": len(self._exemplars)}
+        layers = sc.select_fc_layers(fc_layer_names(module), self.clf_layers)
+        weights = np.stack(
+            [sc.classifier_vector({key: array.numpy() for key, array in arrays.items()}, layers) for arrays in models]
+        )
+        reduced, explained = sc.reduce_pca(weights, seed=int(self.rng.integers(2**31)))
+        return reduced, {
+            "clf_layers": layers,
+            "pca_components": int(reduced.shape[1]),
+            "pca_explained_variance": round(explained, 4),
+        }
+
+    def _grouping_report(
+        self, groups: sc.Grouping, node_ids: list[int], sizes: list[int], vectors: np.ndarray
+    ) -> dict[str, Any]:
+        """Sizes of the superclients and, with ψ = conf, their balance estimated from D̃."""
+        entries: list[dict[str, Any]] = [
+            {
+                "id": sid,
+                "nodes": [node_ids[c] for c in group],
+                "clients": len(group),
+                "samples": sum(sizes[c] for c in group),
+            }
+            for sid, group in enumerate(groups)
+        ]
+        report: dict[str, Any] = {"num_superclients": len(groups), "superclients": entries}
+        if self.approximator == "conf":
+            # An estimate is never exactly zero: a class counts as covered above half the uniform share.
+            estimated_counts = np.asarray(sizes, dtype=np.float64)[:, None] * vectors
+            described = sc.describe_superclients(groups, sizes, estimated_counts, 0.5 / self.num_classes)
+            _attach(report, "estimated", described)
+        return report
+
+    def _label_count_hop(self, grid: Grid, nodes: list[int]) -> HopResult:
+        """Ask `nodes` for their true label counts (a "query" message; simulation diagnostic)."""
+        requests = [
+            Request(
+                node,
+                RecordDict({CONFIG_KEY: ConfigRecord({"query": LABEL_COUNTS_KEY})}),
+                MessageType.QUERY,
+                tag=LABEL_COUNTS_KEY,
+                require_num_examples=False,
+            )
+            for node in nodes
+        ]
+        return self.hop(grid, requests)
+
+    def _attach_true_labels(
+        self, report: dict[str, Any], groups: sc.Grouping, node_ids: list[int], sizes: list[int], query: HopResult
+    ) -> None:
+        """Add to `report` the superclients' balance from the label counts the clients sent."""
+        counts = np.zeros((len(node_ids), self.num_classes))
+        missing = set(node_ids)
+        for reply in query.replies:
+            metrics = reply.content.metric_records.get(METRICS_KEY)
+            values = metrics.get(LABEL_COUNTS_KEY) if metrics is not None else None
+            if not isinstance(values, list) or len(values) != self.num_classes:
+                log(WARNING, "Node %s sent no usable '%s' (%r)", reply.node_id, LABEL_COUNTS_KEY, values)
+                continue
+            counts[node_ids.index(reply.node_id)] = values
+            missing.discard(reply.node_id)
+        report["label_counts_missing"] = sorted(missing)
+        if len(missing) == len(node_ids):
+            log(WARNING, "FedSeq: no client reported its label counts; no true-label report")
+            return
+        _attach(report, "true", sc.describe_superclients(groups, sizes, counts))
+
+    # ------------------------------------------------------------------ stage 2
+    def train_requests(
+        self, server_round: int, hop: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Request]:
+        """Hop h: each selected superclient's current model to the h-th client of its chain."""
+        if hop == 0:
+            self._start_round(arrays, grid)
+        settings: dict[str, Any] = {**dict(config), "server-round": server_round, "proximal-mu": self.proximal_mu}
+        return [
+            Request(chain.order[hop], train_content(chain.model, settings), tag=chain.superclient)
+            for chain in self._chains
+            if hop < len(chain.order)
+        ]
+
+    def aggregate_hop(
+        self, server_round: int, hop: HopResult
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Move each chain's model on; after the last hop, combine the superclient models."""
+        chains = {chain.superclient: chain for chain in self._chains}
+        for reply in hop.replies:
+            chain = chains[reply.request.tag]
+            chain.model = reply.arrays
+            chain.trained += 1
+            self._round_metrics.append(RecordDict({METRICS_KEY: reply.metrics}))
+        for miss in hop.misses:
+            # The chain keeps the model the missing client was given: the next client gets it.
+            chains[miss.request.tag].missed.append(miss.request.node_id)
+        self._hops_done += 1
+        if any(self._hops_done < len(chain.order) for chain in self._chains):
+            return None, None
+        self.record(
+            "superclients",
+            [
+                {
+                    "id": chain.superclient,
+                    "order": chain.order[: len(chain.order) // self.superclient_epochs],
+                    "samples": chain.weight,
+                    "slot": chain.slot,
+                    "trained_hops": chain.trained,
+                    "missed": chain.missed,
+                }
+                for chain in self._chains
+            ],
+        )
+        metrics = aggregate_metricrecords(self._round_metrics, NUM_EXAMPLES_KEY) if self._round_metrics else None
+        return self._finish_round([chain for chain in self._chains if chain.trained > 0]), metrics
+
+    def _start_round(self, arrays: ArrayRecord, grid: Grid) -> None:
+        """Drop vanished nodes, select superclients, give each a start model and a shuffled chain."""
+        self._drop_vanished(set(live_node_ids(grid)))
+        self._chains, self._hops_done, self._round_metrics = [], 0, []
+        ids = sorted(self.superclients)
+        if not ids:
+            log(WARNING, "FedSeq: no superclient left; the round trains nothing")
+            return
+        count = sample_count(self.fraction_train, len(ids))
+        selected = sorted(int(sid) for sid in self.rng.choice(ids, size=count, replace=False))
+        for sid, (model, slot) in zip(selected, self._start_models(len(selected), arrays)):
+            members = self.superclients[sid]
+            one_pass = [int(node) for node in self.rng.permutation(members)]
+            weight = sum(self.client_samples[node] for node in members)
+            self._chains.append(_Chain(sid, one_pass * self.superclient_epochs, model, weight, slot))
+
+    def _start_models(self, count: int, arrays: ArrayRecord) -> list[tuple[ArrayRecord, int | None]]:
+        """(start model, slot) of each of the `count` selected superclients: the global model."""
+        return [(arrays, None)] * count
+
+    def _finish_round(self, trained: list[_Chain]) -> ArrayRecord | None:
+        """|D_S|-weighted average of the superclients that trained (None when none did)."""
+        if not trained:
+            return None
+        return weighted_average([chain.model for chain in trained], [chain.weight for chain in trained])
+
+    def _drop_vanished(self, live: set[int]) -> None:
+        """Remove nodes that left the grid from their superclient; drop emptied superclients."""
+        for sid in sorted(self.superclients):
+            gone = [node for node in self.superclients[sid] if node not in live]
+            if not gone:
+                continue
+            log(WARNING, "FedSeq: nodes %s left; dropped from superclient %s", gone, sid)
+            self.superclients[sid] = [node for node in self.superclients[sid] if node in live]
+            if not self.superclients[sid]:
+                log(WARNING, "FedSeq: superclient %s is empty and disappears", sid)
+                del self.superclients[sid]
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Base state plus the superclient plan, the sample counts, the exemplars and the report."""
+        return {
+            **super().state_dict(),
+            "superclients": {sid: list(nodes) for sid, nodes in self.superclients.items()},
+            "client_samples": dict(self.client_samples),
+            "exemplars": self._exemplars.copy(),
+            "setup_record": self.setup_record,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output and exclude the restored exemplars again."""
+        super().load_state_dict(state)
+        self.superclients = {int(sid): list(nodes) for sid, nodes in state["superclients"].items()}
+        self.client_samples = {int(node): int(n) for node, n in state["client_samples"].items()}
+        self._exemplars = np.asarray(state["exemplars"], dtype=np.int64)
+        self.setup_record = dict(state["setup_record"])
+        self._announce_exemplars()
+
+    def _announce_exemplars(self) -> None:
+        if self._exclude_exemplars is not None and len(self._exemplars):
+            self._exclude_exemplars(self._exemplars.copy())
+
+
+class FedSeqInter(FedSeq):
+    """FedSeqInter: FedSeq whose superclient models are passed on between rounds.
+
+    There are max(1, round(C·N_S)) model slots, as many as superclients selected per round.
+    Each round the selected superclients are matched to the slots in random order; each
+    continues its slot's model along its chain and writes it back, and the slot's sample
+    counter grows by |D_S| (not when no client of the chain trained). Every N_S rounds (N_S =
+    the current number of superclients) the slots are averaged, weighted by their counters,
+    and all slots restart from that average with zeroed counters. Between aggregations the
+    model the strategy returns (and that is evaluated) is the counter-weighted average of the
+    slots.
+
+    Parameters are FedSeq's.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots: list[ArrayRecord] = []
+        self.slot_samples: list[float] = []
+        self.rounds_since_average = 0
+
+    def setup(self, grid: Grid, initial_arrays: ArrayRecord, train_config: ConfigRecord) -> None:
+        """FedSeq's stage 1, then every slot starts from the initial model."""
+        super().setup(grid, initial_arrays, train_config)
+        count = sample_count(self.fraction_train, len(self.superclients))
+        self._slots = [initial_arrays] * count
+        self.slot_samples = [0.0] * count
+        self.setup_record["slots"] = count
+
+    def _start_models(self, count: int, arrays: ArrayRecord) -> list[tuple[ArrayRecord, int | None]]:
+        """The selected superclients take the slots in random order."""
+        slots = [int(s) for s in self.rng.permutation(len(self._slots))[:count]]
+        return [(self._slots[slot], slot) for slot in slots]
+
+    def _finish_round(self, trained: list[_Chain]) -> ArrayRecord | None:
+        """Write the chains back to their slots; every N_S rounds average and reset the slots."""
+        for chain in trained:
+            assert chain.slot is not None
+            self._slots[chain.slot] = chain.model
+            self.slot_samples[chain.slot] += chain.weight
+        self.rounds_since_average += 1
+        filled = [i for i, n in enumerate(self.slot_samples) if n > 0]
+        if not filled:
+            return None
+        average = weighted_average([self._slots[i] for i in filled], [self.slot_samples[i] for i in filled])
+        aggregate = self.rounds_since_average >= max(1, len(self.superclients))
+        self.record("slots", {"samples": list(self.slot_samples), "aggregated": aggregate})
+        if aggregate:
+            self._slots = [average] * len(self._slots)
+            self.slot_samples = [0.0] * len(self._slots)
+            self.rounds_since_average = 0
+        return average
+
+    def state_dict(self) -> dict[str, Any]:
+        """FedSeq's state plus the slot models, their counters and the aggregation clock."""
+        return {
+            **super().state_dict(),
+            "slots": [{key: array.numpy() for key, array in slot.items()} for slot in self._slots],
+            "slot_samples": list(self.slot_samples),
+            "rounds_since_average": self.rounds_since_average,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output."""
+        super().load_state_dict(state)
+        self._slots = [ArrayRecord({key: Array(np.asarray(v)) for key, v in slot.items()}) for slot in state["slots"]]
+        self.slot_samples = [float(n) for n in state["slot_samples"]]
+        self.rounds_since_average = int(state["rounds_since_average"])
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _attach(report: dict[str, Any], kind: str, described: list[dict[str, Any]]) -> None:
+    """Put per-superclient quality under `kind` in each entry, and its mean balance ratio on top."""
+    for entry, quality in zip(report["superclients"], described):
+        entry[kind] = {key: quality[key] for key in ("balance_ratio", "covered_classes", "classes")}
+    ratios = [quality["balance_ratio"] for quality in described]
+    report[f"mean_balance_ratio_{kind}"] = round(float(np.mean(ratios)), 4) if ratios else None
+
+
+def _log_report(record: dict[str, Any]) -> None:
+    log(INFO, "FedSeq: %s superclients from %s clients (%s, %s)", record["num_superclients"],
+        record["clients"], record["approximator"], record["grouping"])
+    for entry in record["superclients"]:
+        quality = ", ".join(
+            f"{kind}: balance {entry[kind]['balance_ratio']} covering {entry[kind]['covered_classes']} classes"
+            for kind in ("estimated", "true")
+            if kind in entry
+        )
+        log(INFO, "\tsuperclient %s: %s clients, %s samples; %s",
+            entry["id"], entry["clients"], entry["samples"], quality)
+
+
+def build(config: RunConfig, env: ServerEnv) -> FedSeq:
+    """FedSeq (`strategy='fedseq'`) or FedSeqInter (`'fedseq-inter'`) from the run config.
+
+    The exemplars come from the global test split and are removed from the evaluation set.
+    """
+    cls = FedSeqInter if config.strategy == "fedseq-inter" else FedSeq
+    return cls(
+        env.make_model,
+        env.num_classes,
+        exemplar_pool=(env.data.x_test, env.data.y_test),
+        exclude_exemplars=env.exclude_from_evaluation,
+        normalization=env.normalization,
+        device=env.device,
+        approximator=config.fedseq_approximator,
+        exemplars_per_class=config.fedseq_exemplars_per_class,
+        conf_normalize=config.fedseq_conf_normalize,
+        clf_layers=config.fedseq_clf_layers,
+        metric=config.fedseq_metric,
+        grouping=config.fedseq_grouping,
+        greedy_merge=config.fedseq_greedy_merge,
+        min_samples=config.fedseq_min_samples,
+        max_clients=config.fedseq_max_clients,
+        pretrain_epochs=config.fedseq_pretrain_epochs,
+        superclient_epochs=config.fedseq_superclient_epochs,
+        fraction_train=config.fraction_train,
+        proximal_mu=config.proximal_mu,
+        report_label_counts=config.report_label_counts,
+        fraction_evaluate=config.fraction_evaluate,
+        round_timeout=config.timeout,
+        seed=config.seed,
+    )

@@ -1,0 +1,427 @@
+"""FedSeq / FedSeqInter against a FakeGrid: stage 1, chain order, weights, slots, faults, state."""
+
+from __future__ import annotations
+
+import pickle
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from torch import nn
+
+from concatfl.config import RunConfig
+from concatfl.runtime import ServerEnv
+from concatfl.strategies.common import message_bytes
+from concatfl.strategies.fedseq import FedSeq, FedSeqInter, build
+from tests.fakes import FakeGrid, reply_with
+
+NUM_CLASSES = 4
+PRETRAIN_EPOCHS = 3
+POOL = (torch.rand(40, 1, 2, 2, generator=torch.Generator().manual_seed(0)), torch.arange(40) % NUM_CLASSES)
+
+State = dict[str, np.ndarray]
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(4, NUM_CLASSES))
+
+
+def initial_arrays() -> ArrayRecord:
+    torch.manual_seed(0)
+    return ArrayRecord(make_model().state_dict())
+
+
+def as_state(arrays: ArrayRecord) -> State:
+    return {key: array.numpy().copy() for key, array in arrays.items()}
+
+
+def as_arrays(state: State) -> ArrayRecord:
+    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in state.items()})
+
+
+def same(a: State, b: State) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+class Client:
+    """A fake node holding one class.
+
+    Pre-training (server-round 0) returns a model that predicts the node's class for every
+    input; training adds the node id to every weight, so each hop's effect is known exactly.
+    `failure(message)` may name how a stage-2 reply goes wrong: `silent` (none), `nan` (NaN
+    weights) or `shape` (a wrong shape); `returned` then holds None for that visit.
+    """
+
+    def __init__(self, node: int, label: int, num_examples: int = 10) -> None:
+        self.node, self.label, self.num_examples = node, label, num_examples
+        self.failure: Callable[[Message], str | None] = lambda message: None
+        self.received: list[tuple[int, State]] = []
+        self.returned: dict[int, list[State | None]] = defaultdict(list)
+        self.configs: list[dict] = []
+
+    def __call__(self, message: Message) -> Message | None:
+        if message.metadata.message_type == "query":
+            counts = [0] * NUM_CLASSES
+            counts[self.label] = self.num_examples
+            return reply_with(message, RecordDict({"metrics": MetricRecord({"label-counts": counts})}))
+        config = dict(message.content.config_records["config"])
+        state = as_state(message.content.array_records["arrays"])
+        server_round = int(config["server-round"])
+        self.configs.append(config)
+        if server_round == 0:
+            state["1.weight"][:] = 0.0
+            state["1.bias"][:] = 0.0
+            state["1.bias"][self.label] = 20.0
+        else:
+            self.received.append((server_round, state))
+            state = {key: value + self.node for key, value in state.items()}
+            failure = self.failure(message)
+            self.returned[server_round].append(None if failure else state)
+            if failure == "silent":
+                return None
+            if failure == "nan":
+                state["1.bias"][0] = np.nan
+            if failure == "shape":
+                state["1.bias"] = np.zeros(NUM_CLASSES + 1, dtype=np.float32)
+        metrics = MetricRecord({"num-examples": self.num_examples, "train-loss": 1.0})
+        return reply_with(message, RecordDict({"arrays": as_arrays(state), "metrics": metrics}))
+
+
+def clients_for(num: int = 8, sizes: list[int] | None = None) -> dict[int, Client]:
+    """Nodes 1..num, node k holds class (k-1) mod 4."""
+    return {k: Client(k, (k - 1) % NUM_CLASSES, sizes[k - 1] if sizes else 10) for k in range(1, num + 1)}
+
+
+def strategy(cls: type[FedSeq] = FedSeq, **kwargs) -> FedSeq:
+    settings = {"exemplar_pool": POOL, "min_samples": 40, "pretrain_epochs": PRETRAIN_EPOCHS, "seed": 0}
+    return cls(make_model, NUM_CLASSES, **{**settings, **kwargs})
+
+
+def run(fedseq: FedSeq, clients: dict[int, Client], rounds: int, grid: FakeGrid | None = None,
+        start: ArrayRecord | None = None):
+    """Run `rounds` rounds; returns the grid and the global model after each round (0 = start)."""
+    grid = grid or FakeGrid(clients)
+    models: dict[int, State] = {}
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord):
+        models[server_round] = as_state(arrays)
+        return MetricRecord({"accuracy": 0.0})
+
+    result = fedseq.start(grid, start or initial_arrays(), num_rounds=rounds,
+                          train_config=ConfigRecord({"lr": 0.1}), evaluate_fn=evaluate_fn)
+    return grid, models, result
+
+
+def walk_chain(order: list[int], start: State, clients: dict[int, Client], server_round: int,
+               seen: Counter) -> State:
+    """Follow one superclient's chain: each client got exactly the model its predecessor returned."""
+    model = start
+    for node in order:
+        visit = seen[(node, server_round)]
+        seen[(node, server_round)] += 1
+        received = [s for r, s in clients[node].received if r == server_round]
+        assert same(received[visit], model), f"node {node} did not get its predecessor's model"
+        returned = clients[node].returned[server_round][visit]
+        if returned is not None:
+            model = returned
+    return model
+
+
+def expected_average(models: list[State], weights: list[float]) -> State:
+    total = sum(weights)
+    return {k: sum(w * m[k].astype(np.float64) for m, w in zip(models, weights)) / total for k in models[0]}
+
+
+def close(a: State, b: State) -> bool:
+    return all(np.allclose(a[k], b[k], atol=1e-4) for k in a)
+
+
+# ---------------------------------------------------------------------- stage 1
+def test_setup_pretrains_every_node_and_builds_full_class_superclients():
+    clients = clients_for(8)
+    fedseq = strategy()
+    grid, _, _ = run(fedseq, clients, 1)
+    pretraining = grid.hops[0]
+    assert sorted(m.metadata.dst_node_id for m in pretraining) == list(range(1, 9))
+    for message in pretraining:
+        config = message.content.config_records["config"]
+        assert config["local-epochs"] == PRETRAIN_EPOCHS and config["proximal-mu"] == 0.0
+        assert config["lr"] == 0.1
+    record = fedseq.setup_record
+    assert record["num_superclients"] == 2 and record["exemplars"] == 40
+    for entry in record["superclients"]:
+        labels = sorted(clients[n].label for n in entry["nodes"])
+        assert labels == [0, 1, 2, 3]  # greedy + KL on confidence vectors: one client per class
+        assert entry["samples"] == 40 and entry["estimated"]["covered_classes"] == 4
+        assert entry["estimated"]["balance_ratio"] > 0.99
+    assert record["mean_balance_ratio_estimated"] > 0.99
+
+
+def test_true_label_counts_are_queried_only_when_asked():
+    clients = clients_for(8)
+    fedseq = strategy(report_label_counts=True)
+    grid, _, _ = run(fedseq, clients, 1)
+    assert all(m.metadata.message_type == "query" for m in grid.hops[1])
+    for entry in fedseq.setup_record["superclients"]:
+        assert entry["true"] == {"balance_ratio": 1.0, "covered_classes": 4, "classes": [0, 1, 2, 3]}
+    assert fedseq.setup_record["label_counts_missing"] == []
+    assert fedseq.setup_record["mean_balance_ratio_true"] == 1.0
+    query_bytes = sum(message_bytes(m) for m in grid.hops[1])
+    assert fedseq.setup_record["bytes_sent"] == fedseq.setup_record["pretraining"]["bytes_sent"] + query_bytes
+    silent = clients_for(8)
+    quiet = {k: (lambda m, c=c: None if m.metadata.message_type == "query" else c(m)) for k, c in silent.items()}
+    unanswered = strategy(report_label_counts=True)
+    run(unanswered, silent, 1, grid=FakeGrid(quiet))
+    assert unanswered.setup_record["label_counts_missing"] == list(range(1, 9))
+    assert "true" not in unanswered.setup_record["superclients"][0]
+    plain = strategy()
+    grid, _, _ = run(plain, clients_for(8), 1)
+    assert all(m.metadata.message_type == "train" for hop in grid.hops for m in hop)
+
+
+def test_a_node_missing_at_pretraining_is_left_out():
+    clients = clients_for(8)
+    grid = FakeGrid({**clients, 3: lambda message: None})
+    fedseq = strategy()
+    fedseq.setup(grid, initial_arrays(), ConfigRecord())
+    assert fedseq.setup_record["left_out"] == [3]
+    assert sorted(n for nodes in fedseq.superclients.values() for n in nodes) == [1, 2, 4, 5, 6, 7, 8]
+
+
+def test_clf_approximator_reduces_the_fc_weights_with_pca():
+    fedseq = strategy(approximator="clf", metric="cosine", clf_layers="last")
+    run(fedseq, clients_for(8), 1)
+    record = fedseq.setup_record
+    assert record["clf_layers"] == ["1"]
+    assert record["pca_explained_variance"] >= 0.9 and 1 <= record["pca_components"] <= 7
+    assert "estimated" not in record["superclients"][0]
+    assert sorted(n for e in record["superclients"] for n in e["nodes"]) == list(range(1, 9))
+
+
+def test_bad_combinations_are_rejected_before_training():
+    with pytest.raises(ValueError, match="needs approximator 'conf'"):
+        strategy(approximator="clf", metric="kl")
+    with pytest.raises(ValueError, match="exemplar_pool"):
+        FedSeq(make_model, NUM_CLASSES)
+    with pytest.raises(ValueError, match="grouping"):
+        strategy(grouping="spectral")
+
+
+def test_exemplars_are_excluded_from_the_evaluation_set():
+    config = RunConfig.from_mapping({"strategy": "fedseq", "dataset": "digits", "fedseq-exemplars-per-class": 7})
+    env = ServerEnv.from_config(config)
+    full = len(env.data.y_test)
+    fedseq = build(config, env)
+    exemplars = fedseq.state_dict()["exemplars"]
+    assert np.bincount(env.data.y_test[exemplars].numpy()).tolist() == [7] * 10
+    keep = np.setdiff1d(np.arange(full), exemplars)
+    assert len(env.eval_y) == full - 70
+    assert torch.equal(env.eval_x, env.data.x_test[keep]) and torch.equal(env.eval_y, env.data.y_test[keep])
+    # A resumed run on a fresh environment removes the same exemplars again.
+    fresh = ServerEnv.from_config(config)
+    resumed = build(RunConfig.from_mapping({"strategy": "fedseq", "dataset": "digits", "seed": 5}), fresh)
+    resumed.load_state_dict(fedseq.state_dict())
+    assert torch.equal(fresh.eval_y, env.eval_y)
+
+
+# ---------------------------------------------------------------------- stage 2
+@pytest.mark.parametrize("superclient_epochs", [1, 2])
+def test_each_client_receives_its_predecessors_model_and_the_average_is_weighted(superclient_epochs):
+    sizes = [10, 20, 30, 40, 15, 25, 35, 45]
+    clients = clients_for(8, sizes)
+    fedseq = strategy(superclient_epochs=superclient_epochs, min_samples=60)
+    _, models, _ = run(fedseq, clients, 2)
+    for record in fedseq.history:
+        server_round, seen = record["round"], Counter()
+        ends, weights = [], []
+        for entry in record["superclients"]:
+            chain = entry["order"] * superclient_epochs
+            ends.append(walk_chain(chain, models[server_round - 1], clients, server_round, seen))
+            weights.append(sum(sizes[n - 1] for n in entry["order"]))
+            assert entry["samples"] == weights[-1]
+        # Every member of every superclient trained, each exactly E_S times.
+        visited = sorted(n for e in record["superclients"] for n in e["order"])
+        assert visited == list(range(1, 9))
+        assert all(seen[(n, server_round)] == superclient_epochs for n in visited)
+        assert len(record["hops"]) == superclient_epochs * max(len(e["order"]) for e in record["superclients"])
+        assert close(models[server_round], expected_average(ends, weights))
+
+
+def test_hops_record_bytes_seconds_and_superclient_orders():
+    fedseq = strategy(min_samples=30)  # 3 + 3 + 2 clients: the 20-sample leftover is absorbed
+    run(fedseq, clients_for(8), 1)
+    record = fedseq.history[0]
+    orders = [e["order"] for e in record["superclients"]]
+    assert sorted(len(o) for o in orders) == [4, 4]
+    for position, hop in enumerate(record["hops"]):
+        assert hop["sent"] == sum(1 for o in orders if position < len(o))
+        assert hop["bytes_sent"] > 0 and hop["bytes_received"] > 0 and hop["seconds"] >= 0
+    assert record["bytes_sent"] == sum(h["bytes_sent"] for h in record["hops"])
+
+
+def test_fraction_train_samples_superclients_and_proximal_mu_reaches_every_client():
+    clients = clients_for(8)
+    fedseq = strategy(min_samples=20, fraction_train=0.5, proximal_mu=0.3)  # 4 superclients, 2 per round
+    run(fedseq, clients, 3)
+    for record in fedseq.history:
+        assert len(record["superclients"]) == 2
+    stage2 = [c for client in clients.values() for c in client.configs if c["server-round"] > 0]
+    assert stage2 and all(c["proximal-mu"] == 0.3 and "local-epochs" not in c for c in stage2)
+
+
+@pytest.mark.parametrize("mode", ["silent", "nan", "shape"])
+def test_a_failing_middle_client_is_skipped_without_losing_the_model(mode):
+    clients = clients_for(8)
+    grid = FakeGrid(clients)
+    fedseq = strategy()
+    # Hops so far: pre-training, then hops 0, 1, … of round 1. The member of superclient 0
+    # served at hop 1 (the second of its four) fails.
+    for client in clients.values():
+        client.failure = lambda message, node=client.node: (
+            mode if len(grid.hops) == 3 and node in fedseq.superclients[0] else None
+        )
+    _, models, _ = run(fedseq, clients, 1, grid=grid)
+    record = fedseq.history[0]
+    entry = next(e for e in record["superclients"] if e["id"] == 0)
+    failing = entry["order"][1]
+    assert entry["missed"] == [failing] and entry["trained_hops"] == 3
+    misses = [m for hop in record["hops"] for m in hop["misses"]]
+    assert [m["node"] for m in misses] == [failing]
+    # The next client got exactly the model the failing one was given.
+    assert same(clients[entry["order"][2]].received[0][1], clients[failing].received[0][1])
+    ends = [walk_chain(e["order"], models[0], clients, 1, Counter()) for e in record["superclients"]]
+    assert close(models[1], expected_average(ends, [e["samples"] for e in record["superclients"]]))
+    assert all(np.isfinite(v).all() for v in models[1].values())
+
+
+def test_a_superclient_without_any_successful_hop_contributes_nothing():
+    clients = clients_for(8)
+    fedseq = strategy()
+    for client in clients.values():
+        client.failure = lambda message, node=client.node: "silent" if node in fedseq.superclients[0] else None
+    _, models, _ = run(fedseq, clients, 1)
+    entries = {e["id"]: e for e in fedseq.history[0]["superclients"]}
+    assert entries[0]["trained_hops"] == 0 and len(entries[0]["missed"]) == 4
+    only = walk_chain(entries[1]["order"], models[0], clients, 1, Counter())
+    assert close(models[1], only)
+
+
+def test_vanished_nodes_are_dropped_and_empty_superclients_disappear():
+    clients = clients_for(8)
+    grid = FakeGrid(clients)
+    fedseq = strategy()
+    run(fedseq, clients, 1, grid=grid)
+    gone_one = fedseq.superclients[0][0]
+    del grid.handlers[gone_one]
+    for node in fedseq.superclients[1]:
+        del grid.handlers[node]
+    sent_before = len(grid.sent)
+    run(fedseq, clients, 2, grid=grid)
+    assert list(fedseq.superclients) == [0] and gone_one not in fedseq.superclients[0]
+    assert len(fedseq.superclients[0]) == 3
+    assert {m.metadata.dst_node_id for m in grid.sent[sent_before:]} == set(fedseq.superclients[0])
+    assert fedseq.history[1]["superclients"][0]["samples"] == 30
+
+
+# ---------------------------------------------------------------------- FedSeqInter
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_fedseq_inter_averages_the_slots_every_n_s_rounds(fraction):
+    sizes = [10, 20, 30, 40, 15, 25, 35, 45]
+    clients = clients_for(8, sizes)
+    fedseq = strategy(FedSeqInter, fraction_train=fraction, min_samples=100)
+    _, models, _ = run(fedseq, clients, 4)
+    n_s = fedseq.setup_record["num_superclients"]
+    assert n_s == 2 and fedseq.setup_record["slots"] == (2 if fraction == 1.0 else 1)
+    slots = [models[0]] * fedseq.setup_record["slots"]
+    counters = [0.0] * len(slots)
+    for record in fedseq.history:
+        server_round, seen = record["round"], Counter()
+        for entry in record["superclients"]:
+            slot = entry["slot"]
+            slots[slot] = walk_chain(entry["order"], slots[slot], clients, server_round, seen)
+            counters[slot] += entry["samples"]
+        assert record["slots"]["samples"] == counters
+        filled = [i for i, c in enumerate(counters) if c > 0]
+        average = expected_average([slots[i] for i in filled], [counters[i] for i in filled])
+        assert close(models[server_round], average)
+        aggregated = server_round % n_s == 0
+        assert record["slots"]["aggregated"] == aggregated
+        if aggregated:
+            slots, counters = [models[server_round]] * len(slots), [0.0] * len(slots)
+    assert [r["slots"]["aggregated"] for r in fedseq.history] == [False, True, False, True]
+
+
+# ---------------------------------------------------------------------- state
+@pytest.mark.parametrize("cls", [FedSeq, FedSeqInter])
+def test_state_save_and_restore_continues_the_run_exactly(cls):
+    sizes = [10, 20, 30, 40, 15, 25, 35, 45]
+    straight = strategy(cls, min_samples=60, fraction_train=0.5)
+    _, straight_models, _ = run(straight, clients_for(8, sizes), 4)
+
+    first = strategy(cls, min_samples=60, fraction_train=0.5)
+    _, _, half = run(first, clients_for(8, sizes), 2)
+    saved = pickle.loads(pickle.dumps(first.state_dict()))
+    resumed = strategy(cls, min_samples=60, fraction_train=0.5, seed=99)
+    resumed.load_state_dict(saved)
+    _, resumed_models, _ = run(resumed, clients_for(8, sizes), 4, start=half.arrays)
+    assert resumed.superclients == straight.superclients
+    assert resumed.setup_record["superclients"] == straight.setup_record["superclients"]
+    for server_round in (3, 4):
+        assert same(resumed_models[server_round], straight_models[server_round])
+    assert [r["superclients"] for r in resumed.history] == [r["superclients"] for r in straight.history]
+
+
+# ---------------------------------------------------------------------- any ClientApp
+def test_fedseq_runs_against_a_plain_clientapp():
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        state = as_state(message.content.array_records["arrays"])
+        label = context.node_id % NUM_CLASSES
+        state["1.bias"][label] += 1.0  # "learning" its own class
+        metrics = MetricRecord({"num-examples": 10, "train-loss": 0.5})
+        return Message(RecordDict({"arrays": as_arrays(state), "metrics": metrics}), reply_to=message)
+
+    def node(node_id: int):
+        context = Context(run_id=1, node_id=node_id, node_config={}, state=RecordDict(), run_config={})
+        return lambda message: app(message, context)
+
+    grid = FakeGrid({node_id: node(node_id) for node_id in range(1, 9)})
+    fedseq = strategy()
+    result = fedseq.start(grid, initial_arrays(), num_rounds=2)
+    assert fedseq.setup_record["num_superclients"] == 2
+    assert all(r["aggregated"] and not any(h["misses"] for h in r["hops"]) for r in fedseq.history)
+    bias = result.arrays["1.bias"].numpy() - initial_arrays()["1.bias"].numpy()
+    assert np.allclose(bias, 2.0, atol=1e-5)  # each round every class's bias grows by 1 in each chain
+
+
+# ---------------------------------------------------------------------- end to end
+@pytest.mark.e2e
+def test_end_to_end_on_digits(tmp_path: Path):
+    from tests.e2e import run_simulation
+
+    metrics = run_simulation(
+        tmp_path,
+        {
+            "strategy": "fedseq",
+            "dataset": "digits",
+            "partition": "dirichlet",
+            "alpha": 0.0,
+            "num-server-rounds": 2,
+            "fedseq-pretrain-epochs": 1,
+            "fedseq-min-samples": 45,
+            "report-label-counts": False,
+        },
+        num_supernodes=6,
+    )
+    setup = metrics["setup"]
+    assert setup["num_superclients"] >= 2 and setup["bytes_sent"] > 0
+    assert sum(e["clients"] for e in setup["superclients"]) == 6
+    assert len(metrics["rounds"]) == 2 and all(r["hops"] for r in metrics["rounds"])
+    assert 0.0 <= metrics["final_accuracy"] <= 1.0
