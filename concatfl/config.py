@@ -7,6 +7,7 @@ with a `ConfigError` that names the key, the value and what is allowed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -188,16 +189,15 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            return int(value)
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return int(value)
     elif kind == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):
                 return float(value)
-            except ValueError:
-                pass
     elif kind == "str":
         return str(value)
     raise ConfigError(f"run-config key '{key}' must be a {kind}, got {value!r}")
@@ -209,7 +209,7 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def _at_least(key: str, value: float, low: float) -> None:
-    if value < low:
+    if not value >= low:  # also rejects NaN
         raise ConfigError(f"run-config key '{key}' must be >= {low}, got {value}")
 
 

@@ -50,7 +50,12 @@ def write_metrics(output_dir: str | os.PathLike, document: dict[str, Any]) -> Pa
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / METRICS_FILE
     with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as handle:
-        json.dump(document, handle, indent=1, default=_to_builtin)
+        try:
+            json.dump(document, handle, indent=1, default=_to_builtin)
+        except BaseException:
+            handle.close()
+            os.unlink(handle.name)
+            raise
     os.replace(handle.name, target)
     return target
 

@@ -62,7 +62,8 @@ def partition_indices(
             num_partitions=num_partitions,
             partition_by="label",
             alpha=alpha,
-            min_partition_size=min(min_partition_size, len(labels) // num_partitions),
+            # flwr-datasets gives up when the minimum nears the mean size: cap it at half the mean.
+            min_partition_size=max(1, min(min_partition_size, len(labels) // (2 * num_partitions))),
             self_balancing=True,
             shuffle=True,
             seed=seed,
@@ -91,7 +92,13 @@ def partition_indices(
     with warnings.catch_warnings():
         # DirichletPartitioner warns on every resample while the minimum size is not met.
         warnings.simplefilter("ignore")
-        parts = [np.sort(np.asarray(partitioner.load_partition(i)["index"])) for i in range(num_partitions)]
+        try:
+            parts = [np.sort(np.asarray(partitioner.load_partition(i)["index"])) for i in range(num_partitions)]
+        except ValueError as failure:
+            raise PartitionError(
+                f"partition '{scheme}' (alpha={alpha}, min-partition-size={min_partition_size}) cannot be "
+                f"built for {num_partitions} clients and {len(labels)} samples: {failure}"
+            ) from failure
     empty = [i for i, part in enumerate(parts) if len(part) == 0]
     if empty:
         raise PartitionError(

@@ -37,6 +37,7 @@ from .common import (
     collect,
     live_node_ids,
     relay,
+    reply_problem,
     sample_nodes,
     to_messages,
 )
@@ -168,8 +169,13 @@ class RelayStrategy(Strategy):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Average the evaluation metrics, weighted by num-examples."""
-        good = [reply.content for reply in replies if not reply.has_error()]
+        """Average the evaluation metrics, weighted by num-examples (replies without a positive
+        num-examples, e.g. from clients with an empty local test split, are left out)."""
+        good = [
+            reply.content
+            for reply in replies
+            if not reply.has_error() and reply_problem(reply.content, template=None) is None
+        ]
         return aggregate_metricrecords(good, NUM_EXAMPLES_KEY) if good else None
 
     def summary(self) -> None:

@@ -155,7 +155,7 @@ def reply_problem(
 
 
 def to_messages(requests: Sequence[Request]) -> list[Message]:
-    """One Message per request, each with its own content (never a shared RecordDict)."""
+    """One Message per request (callers give each request its own RecordDict: `train_content`)."""
     node_ids = [request.node_id for request in requests]
     if len(set(node_ids)) != len(node_ids):
         raise ValueError(f"a hop sends at most one message per node, got nodes {node_ids}")
@@ -234,7 +234,7 @@ def weighted_average(records: Sequence[ArrayRecord], weights: Sequence[float]) -
         mean = sum(w * arr.astype(np.float64) for w, arr in zip(weights, stacked)) / total
         dtype = stacked[0].dtype
         rounded = np.rint(mean) if np.issubdtype(dtype, np.integer) else mean
-        averaged[key] = Array(rounded.astype(dtype))
+        averaged[key] = Array(np.asarray(rounded, dtype=dtype))  # 0-d stays an array (num_batches_tracked)
     return ArrayRecord(averaged)
 
 

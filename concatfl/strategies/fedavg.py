@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 
 def sample_count(fraction: float, available: int, minimum: int = 1) -> int:
-    """How many of `available` nodes a fraction selects: round(fraction·N), at least `minimum`."""
-    return max(minimum, min(available, int(round(fraction * available))))
+    """How many of `available` nodes a fraction selects: round(fraction·N), at least `minimum`,
+    never more than are available."""
+    return min(available, max(minimum, int(round(fraction * available))))
 
 
 class FedAvg(RelayStrategy):

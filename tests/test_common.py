@@ -1,0 +1,280 @@
+"""strategies.common: reply validation, weighted averaging, the relay hop, node sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
+
+from concatfl.strategies.common import (
+    HopResult,
+    Request,
+    collect,
+    live_node_ids,
+    message_bytes,
+    relay,
+    reply_problem,
+    sample_nodes,
+    to_messages,
+    train_content,
+    weighted_average,
+)
+from tests.fakes import BIG_IDS, FakeGrid, reply_with
+
+TEMPLATE = ArrayRecord(
+    {"w": Array(np.zeros((2, 3), np.float32)), "b": Array(np.zeros(3, np.float32)),
+     "n": Array(np.zeros((), np.int64))}
+)
+
+
+def _arrays(**overrides: np.ndarray) -> ArrayRecord:
+    values = {"w": np.ones((2, 3), np.float32), "b": np.ones(3, np.float32), "n": np.array(4, np.int64)}
+    values.update(overrides)
+    return ArrayRecord({key: Array(value) for key, value in values.items()})
+
+
+def _content(arrays: ArrayRecord | None = None, num_examples=10) -> RecordDict:
+    content = RecordDict()
+    if arrays is not None:
+        content["arrays"] = arrays
+    if num_examples is not None:
+        content["metrics"] = MetricRecord({"num-examples": num_examples})
+    return content
+
+
+# ----------------------------------------------------------------------------- reply_problem
+
+
+def test_reply_problem_accepts_a_good_reply():
+    assert reply_problem(_content(_arrays()), TEMPLATE) is None
+
+
+def test_reply_problem_missing_arrays():
+    assert "no ArrayRecord" in reply_problem(_content(None), TEMPLATE)
+
+
+def test_reply_problem_different_keys_names_missing_and_extra():
+    arrays = ArrayRecord({"w": Array(np.ones((2, 3), np.float32)), "x": Array(np.ones(3, np.float32)),
+                          "n": Array(np.array(1, np.int64))})
+    problem = reply_problem(_content(arrays), TEMPLATE)
+    assert "keys differ" in problem and "['b']" in problem and "['x']" in problem
+
+
+def test_reply_problem_wrong_shape():
+    problem = reply_problem(_content(_arrays(w=np.ones((3, 2), np.float32))), TEMPLATE)
+    assert problem == "shape of 'w' is (3, 2), expected (2, 3)"
+
+
+def test_reply_problem_wrong_dtype():
+    problem = reply_problem(_content(_arrays(b=np.ones(3, np.float64))), TEMPLATE)
+    assert problem == "dtype of 'b' is float64, expected float32"
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_reply_problem_non_finite(bad):
+    w = np.ones((2, 3), np.float32)
+    w[1, 2] = bad
+    assert "non-finite" in reply_problem(_content(_arrays(w=w)), TEMPLATE)
+
+
+@pytest.mark.parametrize("num_examples", [0, -5, 0.0, float("nan"), float("inf"), [1, 2]])
+def test_reply_problem_bad_num_examples(num_examples):
+    assert "positive number" in reply_problem(_content(_arrays(), num_examples), TEMPLATE)
+
+
+def test_reply_problem_missing_num_examples():
+    content = _content(_arrays(), None)
+    assert "num-examples" in reply_problem(content, TEMPLATE)
+    content["metrics"] = MetricRecord({"loss": 1.0})
+    assert "num-examples" in reply_problem(content, TEMPLATE)
+
+
+def test_reply_problem_missing_num_examples_ok_when_not_required():
+    assert reply_problem(_content(_arrays(), None), TEMPLATE, require_num_examples=False) is None
+
+
+def test_reply_problem_without_template_skips_array_checks():
+    assert reply_problem(_content(None, 3), None) is None
+
+
+# ----------------------------------------------------------------------------- weighted_average
+
+
+def test_weighted_average_exact_and_dtype_preserved():
+    a = ArrayRecord({"w": Array(np.array([1.0, 2.0], np.float32)), "n": Array(np.array([0, 10], np.int64))})
+    b = ArrayRecord({"w": Array(np.array([4.0, 8.0], np.float32)), "n": Array(np.array([3, 1], np.int64))})
+    avg = weighted_average([a, b], [1, 2])
+    assert avg["w"].dtype == "float32" and avg["n"].dtype == "int64"
+    np.testing.assert_array_equal(avg["w"].numpy(), np.array([3.0, 6.0], np.float32))
+    # (0 + 2·3)/3 = 2 ; (10 + 2·1)/3 = 4 exactly
+    np.testing.assert_array_equal(avg["n"].numpy(), np.array([2, 4], np.int64))
+
+
+def test_weighted_average_rounds_integer_arrays():
+    a = ArrayRecord({"n": Array(np.array([0, 0], np.int64))})
+    b = ArrayRecord({"n": Array(np.array([10, 1], np.int64))})
+    avg = weighted_average([a, b], [1, 2])  # 20/3 = 6.67 → 7 ; 2/3 = 0.67 → 1
+    np.testing.assert_array_equal(avg["n"].numpy(), np.array([7, 1], np.int64))
+
+
+def test_weighted_average_single_record_is_identity_and_keeps_key_order():
+    record = _arrays(n=np.array([4, 5], np.int64))
+    avg = weighted_average([record], [5])
+    assert list(avg.keys()) == list(record.keys())
+    for key in record:
+        np.testing.assert_array_equal(avg[key].numpy(), record[key].numpy())
+
+
+def test_weighted_average_handles_0d_arrays_like_batchnorm_num_batches_tracked():
+    # BatchNorm's num_batches_tracked is a 0-d int64 tensor (resnet18, vgg9 models).
+    a = ArrayRecord({"n": Array(np.array(3, np.int64)), "s": Array(np.array(1.0, np.float32))})
+    b = ArrayRecord({"n": Array(np.array(6, np.int64)), "s": Array(np.array(4.0, np.float32))})
+    avg = weighted_average([a, b], [2, 1])
+    assert avg["n"].shape == () and avg["n"].dtype == "int64" and int(avg["n"].numpy()) == 4
+    assert avg["s"].shape == () and avg["s"].dtype == "float32" and float(avg["s"].numpy()) == 2.0
+
+
+def test_weighted_average_rejects_empty_and_zero_weights():
+    with pytest.raises(ValueError):
+        weighted_average([], [])
+    with pytest.raises(ValueError):
+        weighted_average([_arrays(), _arrays()], [0, 0])
+
+
+# ----------------------------------------------------------------------------- relay / collect
+
+
+def _good(message: Message) -> Message:
+    arrays = message.content.array_records["arrays"]
+    doubled = ArrayRecord({key: Array(2 * value.numpy()) for key, value in arrays.items()})
+    return reply_with(message, _content(doubled, 7))
+
+
+def _requests(nodes, size: int = 4) -> list[Request]:
+    arrays = ArrayRecord({"w": Array(np.arange(size, dtype=np.float32))})
+    return [Request(node, train_content(arrays, {"lr": 0.1}), tag=f"t{i}") for i, node in enumerate(nodes)]
+
+
+def test_relay_all_good_replies():
+    nodes = BIG_IDS[:3]
+    hop = relay(FakeGrid({node: _good for node in nodes}), _requests(nodes), timeout=None)
+    assert [reply.node_id for reply in hop.replies] == nodes
+    assert hop.misses == []
+    assert all(reply.num_examples == 7 and type(reply.num_examples) is int for reply in hop.replies)
+    np.testing.assert_array_equal(hop.replies[0].arrays["w"].numpy(), [0, 2, 4, 6])
+    assert hop.bytes_sent > 0 and hop.bytes_received > 0
+
+
+def test_relay_turns_missing_error_and_bad_replies_into_misses():
+    nodes = BIG_IDS[:4]
+
+    def error(message: Message) -> Message:
+        return Message(Error(code=0, reason="client crashed"), reply_to=message)
+
+    def bad(message: Message) -> Message:
+        return reply_with(message, _content(ArrayRecord({"w": Array(np.full(4, np.nan, np.float32))}), 7))
+
+    grid = FakeGrid({nodes[0]: _good, nodes[1]: lambda m: None, nodes[2]: error, nodes[3]: bad})
+    hop = relay(grid, _requests(nodes), timeout=5.0)
+    assert [reply.node_id for reply in hop.replies] == [nodes[0]]
+    reasons = {miss.request.node_id: miss.reason for miss in hop.misses}
+    assert set(reasons) == set(nodes[1:])
+    assert reasons[nodes[1]] == "no reply before the round timeout"
+    assert reasons[nodes[2]] == "error reply: client crashed"
+    assert reasons[nodes[3]].startswith("rejected: non-finite")
+    record = hop.as_record()
+    assert record["sent"] == 4 and record["replies"] == 1
+    assert {m["node"] for m in record["misses"]} == set(nodes[1:])
+
+
+def test_relay_bytes_grow_with_model_size():
+    nodes = BIG_IDS[:2]
+    grid = FakeGrid({node: _good for node in nodes})
+    small = relay(grid, _requests(nodes, size=10), timeout=None)
+    large = relay(grid, _requests(nodes, size=10_000), timeout=None)
+    assert 0 < small.bytes_sent < large.bytes_sent
+    assert large.bytes_sent - small.bytes_sent >= 2 * 4 * (10_000 - 10)
+    assert large.bytes_received - small.bytes_received >= 2 * 4 * (10_000 - 10)
+
+
+def test_relay_sends_one_message_per_request_to_the_big_ids():
+    nodes = BIG_IDS[-3:]
+    grid = FakeGrid({node: _good for node in nodes})
+    relay(grid, _requests(nodes), timeout=None)
+    assert [m.metadata.dst_node_id for m in grid.sent] == nodes
+    assert all(m.metadata.message_type == MessageType.TRAIN for m in grid.sent)
+
+
+def test_relay_with_no_requests_sends_nothing():
+    grid = FakeGrid({BIG_IDS[0]: _good})
+    hop = relay(grid, [], timeout=None)
+    assert grid.sent == [] and hop.replies == [] and hop.misses == [] and hop.bytes_sent == 0
+
+
+def test_collect_ignores_unexpected_and_duplicate_replies():
+    nodes = BIG_IDS[:2]
+    requests = _requests(nodes)
+    messages = to_messages(requests)
+    stranger = Message(train_content(ArrayRecord({"w": Array(np.zeros(4, np.float32))}), {}),
+                       dst_node_id=BIG_IDS[9], message_type=MessageType.TRAIN)
+    replies = [_good(messages[0]), _good(messages[0]), _good(stranger)]
+    hop = collect(requests, replies)
+    assert [reply.node_id for reply in hop.replies] == [nodes[0]]
+    assert [miss.request.node_id for miss in hop.misses] == [nodes[1]]
+
+
+def test_collect_uses_expect_arrays_over_the_sent_arrays():
+    node = BIG_IDS[0]
+    expect = ArrayRecord({"head": Array(np.zeros(2, np.float32))})
+    request = Request(node, train_content(ArrayRecord({"w": Array(np.zeros(4, np.float32))}), {}),
+                      expect_arrays=expect)
+    (message,) = to_messages([request])
+    good = reply_with(message, _content(ArrayRecord({"head": Array(np.ones(2, np.float32))}), 3))
+    assert len(collect([request], [good]).replies) == 1
+    assert "keys differ" in collect([request], [_good(message)]).misses[0].reason
+
+
+def test_message_bytes_counts_the_array_payload():
+    (small,) = to_messages(_requests(BIG_IDS[:1], size=1))
+    (large,) = to_messages(_requests(BIG_IDS[:1], size=1001))
+    assert message_bytes(large) - message_bytes(small) >= 4000
+
+
+# ----------------------------------------------------------------------------- to_messages / nodes
+
+
+def test_to_messages_rejects_two_requests_to_the_same_node():
+    with pytest.raises(ValueError, match="at most one message per node"):
+        to_messages(_requests([BIG_IDS[1], BIG_IDS[2], BIG_IDS[1]]))
+
+
+def test_to_messages_keeps_node_ids_and_message_types_exact():
+    requests = [Request(BIG_IDS[5], RecordDict(), message_type=MessageType.EVALUATE),
+                Request(BIG_IDS[6], RecordDict(), message_type="query.custom")]
+    messages = to_messages(requests)
+    assert [m.metadata.dst_node_id for m in messages] == [BIG_IDS[5], BIG_IDS[6]]
+    assert [m.metadata.message_type for m in messages] == [MessageType.EVALUATE, "query.custom"]
+
+
+def test_sample_nodes_returns_exact_distinct_python_ints():
+    rng = np.random.default_rng(0)
+    chosen = sample_nodes(rng, BIG_IDS, 20)
+    assert len(chosen) == 20 == len(set(chosen))
+    assert all(type(node) is int and node in BIG_IDS for node in chosen)
+    assert all(node > 2**63 for node in chosen)
+
+
+def test_sample_nodes_full_count_is_a_permutation_and_seeded():
+    chosen = sample_nodes(np.random.default_rng(3), BIG_IDS, len(BIG_IDS))
+    assert sorted(chosen) == sorted(BIG_IDS)
+    assert chosen == sample_nodes(np.random.default_rng(3), BIG_IDS, len(BIG_IDS))
+
+
+def test_live_node_ids_sorted_exact_ints():
+    grid = FakeGrid({node: _good for node in reversed(BIG_IDS[:5])})
+    assert live_node_ids(grid) == BIG_IDS[:5]
+
+
+def test_empty_hop_record():
+    assert HopResult().as_record() == {"sent": 0, "replies": 0, "misses": [], "bytes_sent": 0,
+                                       "bytes_received": 0, "seconds": 0.0}
