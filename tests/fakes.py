@@ -17,7 +17,9 @@ from flwr.serverapp import Grid
 
 Handler = Callable[[Message], Message | None]
 
-BIG_IDS = [18_000_000_000_000_000_000 + 7919 * i for i in range(64)]
+# Sorted; the first below 2**63, the rest above, like Flower's mix: numpy stores such a mix as
+# float64, so any two of them (the first included) expose code that routes ids through numpy.
+BIG_IDS = [2**62 + 7919] + [2**63 + 7919 * i for i in range(1, 64)]
 
 
 class FakeGrid(Grid):

@@ -18,7 +18,7 @@ from concatfl.config import RunConfig
 from concatfl.runtime import ServerEnv
 from concatfl.strategies.common import message_bytes
 from concatfl.strategies.fedseq import FedSeq, FedSeqInter, build
-from tests.fakes import FakeGrid, reply_with
+from tests.fakes import BIG_IDS, FakeGrid, reply_with
 
 NUM_CLASSES = 4
 PRETRAIN_EPOCHS = 3
@@ -425,3 +425,12 @@ def test_end_to_end_on_digits(tmp_path: Path):
     assert sum(e["clients"] for e in setup["superclients"]) == 6
     assert len(metrics["rounds"]) == 2 and all(r["hops"] for r in metrics["rounds"])
     assert 0.0 <= metrics["final_accuracy"] <= 1.0
+
+
+def test_chains_reach_nodes_with_64_bit_ids():
+    """Flower's node ids exceed 2**63; shuffling a chain through numpy would turn them into floats."""
+    clients = {node: Client(index + 1, index % NUM_CLASSES) for index, node in enumerate(BIG_IDS[:8])}
+    fedseq = strategy()
+    grid, _, _ = run(fedseq, clients, rounds=2)
+    assert {message.metadata.dst_node_id for message in grid.sent} == set(clients)
+    assert all(not hop["misses"] for record in fedseq.history for hop in record["hops"])

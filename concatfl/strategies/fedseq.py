@@ -399,7 +399,8 @@ class FedSeq(RelayStrategy):
         selected = sorted(int(sid) for sid in self.rng.choice(ids, size=count, replace=False))
         for sid, (model, slot) in zip(selected, self._start_models(len(selected), arrays)):
             members = self.superclients[sid]
-            one_pass = [int(node) for node in self.rng.permutation(members)]
+            # Shuffle positions, not the uint64 node ids (numpy would turn those into floats).
+            one_pass = [members[int(i)] for i in self.rng.permutation(len(members))]
             weight = sum(self.client_samples[node] for node in members)
             self._chains.append(_Chain(sid, one_pass * self.superclient_epochs, model, weight, slot))
 
