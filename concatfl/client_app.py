@@ -14,8 +14,16 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from .config import RunConfig
-from .runtime import ClientData, load_client_data, make_model, load_data
-from .training import pick_device, proximal_regularizer, train, evaluate
+from .fedconcat_client import (
+    FEATURES_ACTION,
+    HEAD_ACTION,
+    LABELS_ACTION,
+    handle_features,
+    handle_head_training,
+    handle_label_query,
+)
+from .runtime import ClientData, load_client_data, load_data, make_model
+from .training import evaluate, pick_device, proximal_regularizer, train
 
 app = ClientApp()
 
@@ -106,3 +114,23 @@ def query_handler(message: Message, context: Context) -> Message:
         raise ValueError(f"unknown query {asked!r}; this ClientApp answers 'label-counts'")
     counts = client_data(context, config).label_counts()
     return Message(RecordDict({"metrics": MetricRecord({"label-counts": counts.tolist()})}), reply_to=message)
+
+
+@app.query(LABELS_ACTION)
+def fedconcat_label_query(message: Message, context: Context) -> Message:
+    """FedConcat stage 1-A: this client's label distribution (Laplace noise when ε is given)."""
+    return handle_label_query(message, context, client_data(context, client_config(context)))
+
+
+@app.train(FEATURES_ACTION)
+def fedconcat_features(message: Message, context: Context) -> Message:
+    """FedConcat stage 3: cache the features of the received frozen encoders, train the head."""
+    config = client_config(context)
+    data = client_data(context, config)
+    return handle_features(message, context, data, make_model=lambda: make_model(config, load_data(config)))
+
+
+@app.train(HEAD_ACTION)
+def fedconcat_head(message: Message, context: Context) -> Message:
+    """FedConcat stage 3: a few SGD steps of the global head on the cached features."""
+    return handle_head_training(message, context, client_data(context, client_config(context)))

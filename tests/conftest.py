@@ -1,7 +1,12 @@
 """Shared test setup."""
 
 import pytest
+import torch
 from flwr.supercore.task_identity import TaskIdentity
+
+# The tests' models are tiny: one thread avoids oversubscribing small CI machines (two threads
+# made backward passes ~100x slower on a shared 2-core machine).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -14,22 +14,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 from concatfl.client_app import app
 from concatfl.config import RunConfig
 from concatfl.runtime import load_client_data, load_data, make_model
-from concatfl.training import Normalization, evaluate
+from concatfl.training import evaluate
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 with PYPROJECT.open("rb") as _handle:
     DEFAULTS = tomllib.load(_handle)["tool"]["flwr"]["app"]["config"]
 RUN_CONFIG = {**DEFAULTS, "device": "cpu", "batch-size": 64, "lr": 0.05, "seed": 3}
 NODE_CONFIG = {"partition-id": 0, "num-partitions": 4}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models train far faster on one intra-op thread on a shared 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _context(run_config: dict | None = None, node_config: dict | None = None) -> Context:

@@ -14,14 +14,6 @@ IDENTITY = Normalization((0.0,), (1.0,))
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _linear(weight, bias) -> nn.Module:
     model = nn.Sequential(nn.Flatten(), nn.Linear(len(weight[0]), len(weight)))
     with torch.no_grad():

@@ -1,0 +1,224 @@
+"""FedConcat's stage 1: label distributions, their privacy noise, and the client clustering.
+
+Diao et al. (FedConcat) group clients whose label distributions are alike, train one model per
+group, and concatenate the groups' encoders. Everything here is pure numpy/torch/scikit-learn:
+
+* `label_distribution` — P_i(y) = N_{i,y} / N_i from a client's label counts (stage 1-A).
+* `laplace_noise` — the ε-differentially-private release of P_i: Laplace(0, 1/ε) added to every
+  entry (sensitivity 1, as in the paper's appendix).
+* `infer_label_distribution` — FedConcat-ID's P_i^ID (stage 1-B): the mean softmax of a model
+  trained by client i on random inputs (each pixel uniform in [0, 1], then normalized like the
+  real inputs), so no label information has to leave the client.
+* `cluster_distributions` — K-means on the distributions, with K fixed or chosen by the elbow
+  rule (`elbow`), optionally balanced (`balance`), empty clusters dropped.
+* `nearest_cluster` — the cluster whose centre is nearest to a distribution (used for clients
+  that did not report one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from sklearn.cluster import KMeans
+from torch import nn
+
+# K-means restarts; the best of them (lowest inertia) is kept.
+KMEANS_RESTARTS = 10
+# Candidate K for `auto` run from 1 to this (and never beyond the number of distinct points).
+DEFAULT_MAX_CLUSTERS = 10
+# The balanced variant caps every cluster at this multiple of the average cluster size.
+BALANCE_FACTOR = 1.2
+
+
+@dataclass(frozen=True)
+class Clustering:
+    """Clients grouped into `k` clusters.
+
+    `labels[i]` is the cluster (0 … k-1) of the i-th distribution given to the clustering and
+    `centres[c]` the mean distribution of cluster c's members. `inertias[j]` is the
+    within-cluster sum of squared distances of K-means with K = j + 1, filled only when K was
+    chosen by the elbow rule; `requested` is the K asked for (or the elbow's choice).
+    """
+
+    labels: np.ndarray
+    centres: np.ndarray
+    requested: int
+    inertias: tuple[float, ...] = field(default=())
+
+    @property
+    def k(self) -> int:
+        """Number of (non-empty) clusters."""
+        return len(self.centres)
+
+    def members(self, cluster: int) -> list[int]:
+        """Indices of the distributions in `cluster`, ascending."""
+        return [int(i) for i in np.flatnonzero(self.labels == cluster)]
+
+    def sizes(self) -> list[int]:
+        """Number of members of each cluster."""
+        return [int(s) for s in np.bincount(self.labels, minlength=self.k)]
+
+
+def label_distribution(counts: Sequence[int] | np.ndarray) -> np.ndarray:
+    """P(y) = N_y / N from per-class counts (all zeros stay zeros)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    total = counts.sum()
+    return counts / total if total > 0 else counts
+
+
+def laplace_noise(distribution: np.ndarray, epsilon: float, rng: np.random.Generator) -> np.ndarray:
+    """`distribution` + Laplace(0, 1/ε) noise on every entry (ε-DP for sensitivity 1).
+
+    The result is released as is (it may leave the simplex): K-means only needs the points.
+    """
+    if epsilon <= 0:
+        raise ValueError(f"epsilon must be > 0, got {epsilon}")
+    distribution = np.asarray(distribution, dtype=np.float64)
+    return distribution + rng.laplace(0.0, 1.0 / epsilon, size=distribution.shape)
+
+
+@torch.no_grad()
+def infer_label_distribution(
+    model: nn.Module,
+    num_samples: int,
+    input_shape: Sequence[int],
+    normalization: Callable[[torch.Tensor], torch.Tensor],
+    generator: torch.Generator,
+    device: torch.device | str = "cpu",
+    batch_size: int = 1000,
+) -> np.ndarray:
+    """FedConcat-ID's P^ID(y): the mean softmax of `model` over `num_samples` random inputs.
+
+    Every pixel is drawn uniformly from the raw pixel range [0, 1] (with `generator`, on the
+    CPU so the draw does not depend on the device) and the batch then goes through
+    `normalization`, exactly like real inputs do.
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    model.to(device).eval()
+    sums = []
+    for start in range(0, num_samples, batch_size):
+        inputs = torch.rand((min(batch_size, num_samples - start), *input_shape), generator=generator)
+        sums.append(torch.softmax(model(normalization(inputs).to(device)), dim=1).sum(dim=0).cpu())
+    return (torch.stack(sums).sum(dim=0) / num_samples).double().numpy()
+
+
+def kmeans(points: np.ndarray, k: int, seed: int) -> Clustering:
+    """K-means with K = min(k, number of distinct points); empty clusters are dropped.
+
+    Asking for more clusters than there are distinct points would leave clusters empty, so K is
+    capped first; `requested` keeps the K that was asked for, `k` says how many remain.
+    """
+    points = np.asarray(points, dtype=np.float64)
+    if points.ndim != 2 or len(points) == 0:
+        raise ValueError(f"points must be a non-empty (n, m) array, got shape {points.shape}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    effective = min(k, _distinct_count(points))
+    labels = KMeans(n_clusters=effective, n_init=KMEANS_RESTARTS, random_state=seed).fit_predict(points)
+    return _with_mean_centres(points, labels, requested=k)
+
+
+def elbow(inertias: Sequence[float]) -> int:
+    """The K at the elbow of the curve `inertias[j]` = within-cluster distance for K = j + 1.
+
+    Rule (a discrete "kneedle"): scale K and the inertia to [0, 1] (K from the first to the last
+    candidate, inertia by its value at K = 1), draw the chord from the first to the last point
+    and take the K whose point lies farthest below the chord, i.e. where adding clusters stops
+    paying off. Ties go to the smaller K. A flat curve (all distributions equal) or fewer than
+    three candidates has no elbow: K = 1.
+    """
+    values = np.asarray(inertias, dtype=np.float64)
+    if len(values) < 3 or values[0] <= 0:
+        return 1
+    x = np.linspace(0.0, 1.0, len(values))
+    y = values / values[0]
+    chord = y[0] + (y[-1] - y[0]) * x
+    return int(np.argmax(chord - y)) + 1
+
+
+def choose_k_by_elbow(
+    points: np.ndarray, seed: int, max_clusters: int = DEFAULT_MAX_CLUSTERS
+) -> tuple[int, tuple[float, ...]]:
+    """(K at the elbow, inertia curve) over K = 1 … min(max_clusters, distinct points)."""
+    points = np.asarray(points, dtype=np.float64)
+    largest = min(max_clusters, _distinct_count(points))
+    inertias = tuple(
+        float(KMeans(n_clusters=k, n_init=KMEANS_RESTARTS, random_state=seed).fit(points).inertia_)
+        for k in range(1, largest + 1)
+    )
+    return elbow(inertias), inertias
+
+
+def balanced_cap(num_points: int, k: int, factor: float = BALANCE_FACTOR) -> int:
+    """Largest cluster size the balanced variant allows: ⌊factor · n/k⌋, at least ⌈n/k⌉.
+
+    When ⌊1.2 · n/k⌋ < ⌈n/k⌉ (e.g. 5 clients, 4 clusters) no assignment meets the 1.2 cap, so
+    the smallest feasible cap ⌈n/k⌉ is used instead.
+    """
+    average = num_points / k
+    return max(math.floor(factor * average + 1e-9), math.ceil(average))
+
+
+def balance(points: np.ndarray, clustering: Clustering, factor: float = BALANCE_FACTOR) -> Clustering:
+    """The paper's balanced variant: shrink every cluster to at most `balanced_cap` members.
+
+    While some cluster has more members than the cap, its member farthest from its centre
+    moves to the nearest (by centre distance) cluster that still has room. The centres stay
+    fixed while members move and are recomputed as member means at the end. Each move lowers
+    the total excess by one, so the loop ends; a cluster below the cap always exists because
+    k · cap ≥ n.
+    """
+    points = np.asarray(points, dtype=np.float64)
+    labels = clustering.labels.copy()
+    centres = clustering.centres
+    cap = balanced_cap(len(points), clustering.k, factor)
+    while (sizes := np.bincount(labels, minlength=clustering.k)).max() > cap:
+        source = int(np.argmax(sizes))
+        members = np.flatnonzero(labels == source)
+        moving = members[np.argmax(np.linalg.norm(points[members] - centres[source], axis=1))]
+        distances = np.linalg.norm(centres - points[moving], axis=1)
+        distances[sizes >= cap] = np.inf
+        labels[moving] = int(np.argmin(distances))
+    return _with_mean_centres(points, labels, clustering.requested, clustering.inertias)
+
+
+def cluster_distributions(
+    points: np.ndarray,
+    num_clusters: int | None,
+    *,
+    balanced: bool = False,
+    seed: int = 0,
+    max_clusters: int = DEFAULT_MAX_CLUSTERS,
+) -> Clustering:
+    """Stage 1's clustering: K-means with K = `num_clusters` (None: the elbow rule), then the
+    balanced variant when `balanced`."""
+    inertias: tuple[float, ...] = ()
+    if num_clusters is None:
+        num_clusters, inertias = choose_k_by_elbow(points, seed, max_clusters)
+    clustering = kmeans(points, num_clusters, seed)
+    if inertias:
+        clustering = Clustering(clustering.labels, clustering.centres, clustering.requested, inertias)
+    return balance(points, clustering) if balanced else clustering
+
+
+def nearest_cluster(point: np.ndarray, centres: np.ndarray) -> int:
+    """Index of the centre nearest (Euclidean) to `point`; ties go to the lower index."""
+    return int(np.argmin(np.linalg.norm(np.asarray(centres) - np.asarray(point), axis=1)))
+
+
+def _distinct_count(points: np.ndarray) -> int:
+    return len(np.unique(np.round(points, 12), axis=0))
+
+
+def _with_mean_centres(
+    points: np.ndarray, labels: np.ndarray, requested: int, inertias: tuple[float, ...] = ()
+) -> Clustering:
+    """Relabel the non-empty clusters 0 … k-1 (order kept) and set centres to member means."""
+    used, compact = np.unique(labels, return_inverse=True)
+    centres = np.stack([points[compact == c].mean(axis=0) for c in range(len(used))])
+    return Clustering(compact.astype(np.int64), centres, requested, inertias)

@@ -1,0 +1,704 @@
+"""FedConcat and FedConcat-ID (Diao et al.): cluster, FedAvg inside clusters, concatenate, post-train.
+
+Three stages, all driven by one `FedConcat` strategy:
+
+1. **Clustering** (in `setup`, before round 1). FedConcat asks every node for its label
+   distribution (a ``"query.fedconcat_labels"`` message, optionally ε-DP); FedConcat-ID
+   (`label_inference=True`) runs one round of ordinary training from the initial model instead
+   and infers P^ID from each returned model on random inputs. K-means groups the distributions
+   (`core.clustering`).
+2. **Encoder rounds** (rounds 1 … T_e). K copies of the initial model, one per cluster, each
+   trained by FedAvg over its own members; all clusters advance in the same round (one hop in
+   which each node receives its cluster's model). Aggregation is weighted by num-examples.
+3. **Classifier rounds** (rounds T_e+1 … T_e+T_c). The K encoders are concatenated and frozen
+   (`core.concat.ConcatModel`); a node receives them once (``"train.fedconcat_features"``),
+   caches its features, and from then on only the linear classifier goes down and comes back
+   (``"train.fedconcat_head"``). See `concatfl.fedconcat_client` for the client side.
+
+Communication, for model size w, N nodes, classifier fraction c (classifier size / model
+size) and full participation, is the paper's 2wN(T_e + K/2 + cKT_c): 2wN per encoder round,
+K·w·N once for the encoder broadcast and 2·cKw·N per classifier round. Every round's record
+says its stage and bytes per stage (`stage_bytes`); `bytes_by_stage` holds the running totals.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from flwr.supercore import log
+from torch import nn
+
+from ..core.clustering import cluster_distributions, infer_label_distribution, nearest_cluster
+from ..core.concat import (
+    CLASSIFIER_KEYS,
+    ENCODERS_PREFIX,
+    ConcatModel,
+    classifier_from_heads,
+    concat_state_dict,
+    is_concat_state,
+    num_encoders,
+    random_classifier,
+    save_concat_model,
+)
+from ..fedconcat_client import (
+    CACHE_MISS,
+    CLASSIFIER_STEPS,
+    DP_EPSILON,
+    ENCODERS_ID,
+    ENCODERS_KEY,
+    FEATURES_MESSAGE_TYPE,
+    HEAD_MESSAGE_TYPE,
+    LABEL_DISTRIBUTION,
+    LABELS_MESSAGE_TYPE,
+    MODEL_NAME,
+    NUM_ENCODERS,
+)
+from ..models import resolve_model_name
+from ..training import Normalization
+from .base import EvaluateFn, RelayStrategy
+from .common import (
+    CONFIG_KEY,
+    NUM_EXAMPLES_KEY,
+    HopResult,
+    Reply,
+    Request,
+    live_node_ids,
+    sample_nodes,
+    train_content,
+    weighted_average,
+)
+from .fedavg import sample_count
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+    from ..runtime import ServerEnv
+
+MODEL_FILE = "fedconcat_model.pt"
+
+# Hop kinds, which are also the keys of the per-stage byte counts.
+ENCODER_TRAINING = "encoder-training"
+ENCODER_BROADCAST = "encoder-broadcast"
+CLASSIFIER = "classifier"
+STAGES = (ENCODER_TRAINING, ENCODER_BROADCAST, CLASSIFIER)
+
+
+@dataclass
+class _ClassifierRound:
+    """What one classifier round has done so far (it may take several hops on cache misses)."""
+
+    chosen: list[int]
+    start: ArrayRecord
+    broadcast: set[int] = field(default_factory=set)
+    trained: set[int] = field(default_factory=set)
+    replies: list[Reply] = field(default_factory=list)
+    cache_misses: list[int] = field(default_factory=list)
+
+
+class FedConcat(RelayStrategy):
+    """FedConcat / FedConcat-ID: clustered FedAvg of encoders, then a global head on their concatenation.
+
+    The run's model must follow `concatfl.models`' layout (``encoder.*`` then
+    ``classifier.weight``/``classifier.bias``). `start()` runs `encoder_rounds` +
+    `classifier_rounds` rounds whatever `num_rounds` says (logged). During the encoder rounds the
+    returned global model is the ensemble of the cluster models (a ConcatModel whose head sums
+    their logits), so the per-round accuracy is that ensemble's; during the classifier rounds it
+    is the ConcatModel being trained. `global_module` rebuilds it.
+
+    Parameters
+    ----------
+    label_inference : bool (default: False)
+        False: FedConcat, clients report label distributions. True: FedConcat-ID, the server
+        infers them from one round of ordinary local training (needs `make_model`,
+        `input_shape` and `normalization`).
+    num_clusters : int | None (default: 5)
+        K for K-means; None chooses K by the elbow rule (`core.clustering.elbow`). K never
+        exceeds the number of distinct distributions; clusters left empty are dropped (logged).
+    balanced : bool (default: False)
+        The paper's balanced variant: no cluster above 1.2 × the average size.
+    dp_epsilon : float (default: 0.0)
+        > 0: clients add Laplace(0, 1/ε) noise to their label distributions (FedConcat only).
+    id_samples : int (default: 10000)
+        Random inputs per model for FedConcat-ID's label inference.
+    encoder_rounds : int (default: 10)
+        T_e, FedAvg rounds inside the clusters.
+    classifier_rounds : int (default: 20)
+        T_c, rounds of classifier post-training.
+    classifier_steps : int (default: 3)
+        Mini-batch SGD steps per client per classifier round.
+    init_classifier : bool (default: False)
+        True: start the classifier from the cluster heads (weights concatenated, biases
+        summed); False: nn.Linear's default random init drawn from the strategy's generator.
+    fraction_train : float (default: 1.0)
+        Fraction of nodes sampled per round: inside each cluster in the encoder rounds, among
+        all clustered nodes in the classifier rounds (at least one node either way).
+    model_name : str (default: "")
+        `concatfl.models` name of the run's architecture; sent to clients so they can rebuild
+        the encoders, and written into the saved model file.
+    input_shape : Sequence[int] | None (default: None)
+        (C, H, W) of the inputs; needed for label inference and for saving the model.
+    normalization : Normalization | None (default: None)
+        The input normalization; needed for label inference, saved with the model.
+    make_model : Callable[[], nn.Module] | None (default: None)
+        A fresh model of the run's architecture; needed for label inference and `evaluate_model`.
+    evaluate_model : Callable[[nn.Module], tuple[float, float]] | None (default: None)
+        (loss, accuracy) of a module on the global test set; when given, every cluster model is
+        evaluated at the end of the encoder stage (recorded as ``cluster_evaluation``).
+    device : torch.device | str (default: "cpu")
+        Where label inference runs.
+    output_path : str | Path | None (default: None)
+        Where the final ConcatModel is saved when the run ends (`core.concat.save_concat_model`).
+    round_timeout, seed
+        See `RelayStrategy`. Federated evaluation is not offered: a client's evaluate handler
+        knows the run's model, not the concatenated one; the server evaluates it instead.
+
+    Faults: a missing, failed or rejected reply is left out of its aggregation in every stage.
+    A node that gives no usable distribution in stage 1 joins the cluster whose centre is
+    nearest to the average reported distribution (so its data still trains an encoder and the
+    head); nodes that connect after stage 1 take no part. A node whose feature cache is gone
+    answers a classifier message with a cache miss; the server re-sends the encoders to it and
+    then the classifier, within the same round (once per round).
+    Classifier aggregation is the num-examples-weighted average of the returned heads (the
+    FedAvg weighting the paper uses for every averaging step).
+    """
+
+    # pylint: disable=too-many-arguments, too-many-locals, too-many-instance-attributes
+    def __init__(
+        self,
+        *,
+        label_inference: bool = False,
+        num_clusters: int | None = 5,
+        balanced: bool = False,
+        dp_epsilon: float = 0.0,
+        id_samples: int = 10_000,
+        encoder_rounds: int = 10,
+        classifier_rounds: int = 20,
+        classifier_steps: int = 3,
+        init_classifier: bool = False,
+        fraction_train: float = 1.0,
+        model_name: str = "",
+        input_shape: Sequence[int] | None = None,
+        normalization: Normalization | None = None,
+        make_model: Callable[[], nn.Module] | None = None,
+        evaluate_model: Callable[[nn.Module], tuple[float, float]] | None = None,
+        device: torch.device | str = "cpu",
+        output_path: str | Path | None = None,
+        round_timeout: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(fraction_evaluate=0.0, round_timeout=round_timeout, seed=seed)
+        if num_clusters is not None and num_clusters < 1:
+            raise ValueError(f"num_clusters must be >= 1 or None (elbow), got {num_clusters}")
+        if min(encoder_rounds, classifier_rounds, classifier_steps, id_samples) < 1:
+            raise ValueError(
+                "encoder_rounds, classifier_rounds, classifier_steps and id_samples must be >= 1"
+            )
+        if dp_epsilon < 0:
+            raise ValueError(f"dp_epsilon must be >= 0, got {dp_epsilon}")
+        if not 0.0 < fraction_train <= 1.0:
+            raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
+        if label_inference and (make_model is None or input_shape is None or normalization is None):
+            raise ValueError("label_inference needs make_model, input_shape and normalization")
+        if evaluate_model is not None and make_model is None:
+            raise ValueError("evaluate_model needs make_model")
+        if output_path is not None and (not model_name or input_shape is None):
+            raise ValueError("saving the model (output_path) needs model_name and input_shape")
+        self.label_inference = label_inference
+        self.num_clusters = num_clusters
+        self.balanced = balanced
+        self.dp_epsilon = dp_epsilon
+        self.id_samples = id_samples
+        self.encoder_rounds = encoder_rounds
+        self.classifier_rounds = classifier_rounds
+        self.classifier_steps = classifier_steps
+        self.init_classifier = init_classifier
+        self.fraction_train = fraction_train
+        self.model_name = model_name
+        self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
+        self.normalization = normalization
+        self.make_model = make_model
+        self.evaluate_model = evaluate_model
+        self.device = torch.device(device)
+        self.output_path = None if output_path is None else Path(output_path)
+        # Stage state (all of it in state_dict()).
+        self.assignment: dict[int, int] = {}
+        self.cluster_models: list[ArrayRecord] = []
+        self.encoders: ArrayRecord | None = None
+        self.encoders_id = ""
+        self.classifier: ArrayRecord | None = None
+        self.cached: set[int] = set()
+        self.bytes_by_stage: dict[str, dict[str, int]] = {s: {"sent": 0, "received": 0} for s in STAGES}
+        # Within-round bookkeeping (rounds are never checkpointed half-way).
+        self._hop_kind = ""
+        self._round_bytes: dict[str, dict[str, int]] = {}
+        self._classifier_round: _ClassifierRound | None = None
+
+    @property
+    def num_rounds(self) -> int:
+        """T_e + T_c: the rounds FedConcat runs."""
+        return self.encoder_rounds + self.classifier_rounds
+
+    def stage(self, server_round: int) -> str:
+        """``"encoders"`` for rounds 1 … T_e, ``"classifier"`` after."""
+        return "encoders" if server_round <= self.encoder_rounds else "classifier"
+
+    # ------------------------------------------------------------------ stage 1
+    def setup(self, grid: Grid, initial_arrays: ArrayRecord, train_config: ConfigRecord) -> None:
+        """Stage 1: collect (or infer) label distributions and cluster the nodes."""
+        nodes = live_node_ids(grid)
+        num_classes = int(initial_arrays[CLASSIFIER_KEYS[0]].shape[0])
+        if self.label_inference:
+            distributions, hop = self._infer_distributions(grid, nodes, initial_arrays, train_config)
+        else:
+            distributions, hop = self._query_distributions(grid, nodes, num_classes)
+        if not distributions:
+            raise RuntimeError(f"stage 1: none of the {len(nodes)} nodes gave a label distribution")
+        reported = sorted(distributions)
+        points = np.stack([distributions[node] for node in reported])
+        clustering = cluster_distributions(
+            points, self.num_clusters, balanced=self.balanced, seed=int(self.rng.integers(2**31))
+        )
+        self.assignment = {node: int(label) for node, label in zip(reported, clustering.labels, strict=True)}
+        unreported = [node for node in nodes if node not in distributions]
+        if unreported:
+            fallback = nearest_cluster(points.mean(axis=0), clustering.centres)
+            log(
+                WARNING,
+                "Stage 1: nodes %s gave no distribution; they join cluster %d (nearest to the mean)",
+                unreported,
+                fallback,
+            )
+            self.assignment.update({node: fallback for node in unreported})
+        if clustering.k < clustering.requested:
+            log(
+                WARNING,
+                "Stage 1: %d of %d clusters were empty and are dropped; K = %d",
+                clustering.requested - clustering.k,
+                clustering.requested,
+                clustering.k,
+            )
+        # Shared, never mutated: aggregation replaces a cluster's record with a new one.
+        self.cluster_models = [initial_arrays] * clustering.k
+        clusters = []
+        for cluster in range(clustering.k):
+            members = self.members(cluster)
+            clusters.append(
+                {
+                    "cluster": cluster,
+                    "members": members,
+                    "size": len(members),
+                    "centre": [round(float(p), 6) for p in clustering.centres[cluster]],
+                }
+            )
+            log(INFO, "Stage 1: cluster %d has %d nodes %s", cluster, len(members), members)
+        self.setup_record = {
+            "variant": "fedconcat-id" if self.label_inference else "fedconcat",
+            "stage1": hop.as_record(),
+            "bytes_sent": hop.bytes_sent,
+            "bytes_received": hop.bytes_received,
+            "k_requested": clustering.requested,
+            "k": clustering.k,
+            "elbow_inertias": list(clustering.inertias),
+            "balanced": self.balanced,
+            "clusters": clusters,
+            "unreported_nodes": unreported,
+            "distributions": {
+                str(node): [round(float(p), 6) for p in distributions[node]] for node in reported
+            },
+        }
+
+    def _query_distributions(
+        self, grid: Grid, nodes: list[int], num_classes: int
+    ) -> tuple[dict[int, np.ndarray], HopResult]:
+        """Stage 1-A: ask every node for its (possibly noised) label distribution."""
+        requests = [
+            Request(
+                node,
+                RecordDict({CONFIG_KEY: ConfigRecord({DP_EPSILON: self.dp_epsilon})}),
+                LABELS_MESSAGE_TYPE,
+                tag="labels",
+                require_num_examples=False,
+            )
+            for node in nodes
+        ]
+        hop = self.hop(grid, requests)
+        distributions = {}
+        for reply in hop.replies:
+            values = reply.metrics.get(LABEL_DISTRIBUTION)
+            distribution = np.asarray(values if isinstance(values, list) else [], dtype=np.float64)
+            if distribution.shape != (num_classes,) or not np.isfinite(distribution).all():
+                log(
+                    WARNING,
+                    "Stage 1: node %s left out: '%s' must be %d finite numbers, got %r",
+                    reply.node_id,
+                    LABEL_DISTRIBUTION,
+                    num_classes,
+                    values,
+                )
+                continue
+            distributions[reply.node_id] = distribution
+        return distributions, hop
+
+    def _infer_distributions(
+        self, grid: Grid, nodes: list[int], initial_arrays: ArrayRecord, train_config: ConfigRecord
+    ) -> tuple[dict[int, np.ndarray], HopResult]:
+        """Stage 1-B: one round of ordinary training, then P^ID of every returned model.
+
+        Every model sees the same random inputs (one seed for the stage), so differences in
+        P^ID come from the models alone.
+        """
+        assert self.make_model is not None and self.input_shape is not None and self.normalization is not None
+        settings = {**dict(train_config), "server-round": 0}
+        hop = self.hop(
+            grid,
+            [Request(node, train_content(initial_arrays, settings), tag="label-inference") for node in nodes],
+        )
+        seed = int(self.rng.integers(2**63))
+        distributions = {}
+        for reply in hop.replies:
+            model = self.make_model()
+            model.load_state_dict(reply.arrays.to_torch_state_dict())
+            distributions[reply.node_id] = infer_label_distribution(
+                model,
+                self.id_samples,
+                self.input_shape,
+                self.normalization,
+                torch.Generator().manual_seed(seed),
+                self.device,
+            )
+        return distributions, hop
+
+    def members(self, cluster: int) -> list[int]:
+        """Nodes of `cluster`, ascending."""
+        return sorted(node for node, assigned in self.assignment.items() if assigned == cluster)
+
+    # ------------------------------------------------------------------ rounds
+    def train_requests(
+        self, server_round: int, hop: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Request]:
+        """Encoder rounds: one hop, each sampled node gets its cluster's model. Classifier rounds:
+        the encoders to sampled nodes without features, then the classifier to those with."""
+        if hop == 0:
+            self._round_bytes = {}
+            self.record("stage", self.stage(server_round))
+        if server_round <= self.encoder_rounds:
+            return self._encoder_requests(server_round, config, grid) if hop == 0 else []
+        if hop == 0:
+            self._begin_classifier_round(server_round, grid)
+        return self._classifier_requests(server_round, config)
+
+    def _encoder_requests(self, server_round: int, config: ConfigRecord, grid: Grid) -> list[Request]:
+        live = set(live_node_ids(grid))
+        settings = {**dict(config), "server-round": server_round}
+        requests, selected = [], {}
+        for cluster, model in enumerate(self.cluster_models):
+            members = [node for node in self.members(cluster) if node in live]
+            if not members:
+                continue
+            chosen = self._sample(members)
+            selected[str(cluster)] = chosen
+            requests += [Request(node, train_content(model, settings), tag=cluster) for node in chosen]
+        self._hop_kind = ENCODER_TRAINING
+        self.record("stage_round", server_round)
+        self.record("selected", selected)
+        return requests
+
+    def _sample(self, nodes: list[int]) -> list[int]:
+        """A sorted random `fraction_train` sample of `nodes` (at least one; none of none)."""
+        return (
+            sorted(sample_nodes(self.rng, nodes, sample_count(self.fraction_train, len(nodes))))
+            if nodes
+            else []
+        )
+
+    def _begin_classifier_round(self, server_round: int, grid: Grid) -> None:
+        if self.classifier is None:
+            self._concatenate()
+        assert self.classifier is not None
+        live = set(live_node_ids(grid))
+        chosen = self._sample([node for node in sorted(self.assignment) if node in live])
+        self._classifier_round = _ClassifierRound(chosen, self.classifier)
+        self.record("stage_round", server_round - self.encoder_rounds)
+        self.record("selected", chosen)
+
+    def _classifier_requests(self, server_round: int, config: ConfigRecord) -> list[Request]:
+        plan = self._classifier_round
+        assert plan is not None and self.encoders is not None
+        need_features = [
+            node for node in plan.chosen if node not in self.cached and node not in plan.broadcast
+        ]
+        if need_features:
+            plan.broadcast.update(need_features)
+            self._hop_kind = ENCODER_BROADCAST
+            settings: dict[str, Any] = {
+                MODEL_NAME: self.model_name,
+                NUM_ENCODERS: len(self.cluster_models),
+                ENCODERS_ID: self.encoders_id,
+                "server-round": server_round,
+            }
+            return [
+                Request(
+                    node,
+                    RecordDict({ENCODERS_KEY: self.encoders, CONFIG_KEY: ConfigRecord(settings)}),
+                    FEATURES_MESSAGE_TYPE,
+                    tag=ENCODER_BROADCAST,
+                )
+                for node in need_features
+            ]
+        ready = [node for node in plan.chosen if node in self.cached and node not in plan.trained]
+        if ready:
+            plan.trained.update(ready)
+            self._hop_kind = CLASSIFIER
+            settings = {
+                **dict(config),
+                "server-round": server_round,
+                CLASSIFIER_STEPS: self.classifier_steps,
+                ENCODERS_ID: self.encoders_id,
+            }
+            return [
+                Request(node, train_content(plan.start, settings), HEAD_MESSAGE_TYPE, tag=CLASSIFIER)
+                for node in ready
+            ]
+        return []
+
+    def aggregate_hop(
+        self, server_round: int, hop: HopResult
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Cluster FedAvg, feature-cache bookkeeping or classifier averaging, by hop kind."""
+        self._count_bytes(hop)
+        if self._hop_kind == ENCODER_TRAINING:
+            return self._aggregate_encoders(server_round, hop)
+        if self._hop_kind == ENCODER_BROADCAST:
+            self.cached.update(reply.node_id for reply in hop.replies)
+            return None, None
+        return self._aggregate_classifier(hop)
+
+    def _aggregate_encoders(
+        self, server_round: int, hop: HopResult
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        for cluster in range(len(self.cluster_models)):
+            replies = [reply for reply in hop.replies if reply.request.tag == cluster]
+            if replies:
+                self.cluster_models[cluster] = weighted_average(
+                    [r.arrays for r in replies], [r.num_examples for r in replies]
+                )
+        if server_round == self.encoder_rounds and self.evaluate_model is not None:
+            self.record("cluster_evaluation", self._evaluate_clusters())
+        if not hop.replies:
+            return None, None
+        metrics = aggregate_metricrecords([reply.content for reply in hop.replies], NUM_EXAMPLES_KEY)
+        return self._ensemble(), metrics
+
+    def _aggregate_classifier(self, hop: HopResult) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        plan = self._classifier_round
+        assert plan is not None
+        missed = []
+        for reply in hop.replies:
+            if reply.metrics.get(CACHE_MISS):
+                missed.append(reply.node_id)
+                self.cached.discard(reply.node_id)
+                plan.trained.discard(reply.node_id)
+            else:
+                plan.replies.append(reply)
+        if missed:
+            log(WARNING, "Nodes %s have no feature cache; the encoders are sent to them again", missed)
+            plan.cache_misses += missed
+            self.record("cache_misses", sorted(plan.cache_misses))
+        if not plan.replies:
+            return None, None
+        self.classifier = weighted_average(
+            [r.arrays for r in plan.replies], [r.num_examples for r in plan.replies]
+        )
+        metrics = aggregate_metricrecords([reply.content for reply in plan.replies], NUM_EXAMPLES_KEY)
+        return self._concat_arrays(), metrics
+
+    def _count_bytes(self, hop: HopResult) -> None:
+        totals = self.bytes_by_stage[self._hop_kind]
+        totals["sent"] += hop.bytes_sent
+        totals["received"] += hop.bytes_received
+        this_round = self._round_bytes.setdefault(self._hop_kind, {"sent": 0, "received": 0})
+        this_round["sent"] += hop.bytes_sent
+        this_round["received"] += hop.bytes_received
+        self.record("stage_bytes", copy.deepcopy(self._round_bytes))
+        self.record("bytes_by_stage", copy.deepcopy(self.bytes_by_stage))
+
+    # ------------------------------------------------------------------ models
+    def _cluster_states(self) -> list[dict[str, torch.Tensor]]:
+        return [model.to_torch_state_dict() for model in self.cluster_models]
+
+    def _ensemble(self) -> ArrayRecord:
+        """The cluster models as one ConcatModel whose head sums their logits."""
+        states = self._cluster_states()
+        return ArrayRecord(concat_state_dict(states, classifier_from_heads(states)))
+
+    def _concatenate(self) -> None:
+        """Start of stage 3: freeze the encoders, initialize the classifier, fingerprint the encoders."""
+        states = self._cluster_states()
+        if self.init_classifier:
+            head = classifier_from_heads(states)
+        else:
+            weight = states[0][CLASSIFIER_KEYS[0]]
+            generator = torch.Generator().manual_seed(int(self.rng.integers(2**63)))
+            head = random_classifier(weight.shape[1] * len(states), weight.shape[0], generator, weight.dtype)
+        state = concat_state_dict(states, head)
+        self.encoders = ArrayRecord(
+            {key: value for key, value in state.items() if key.startswith(ENCODERS_PREFIX)}
+        )
+        self.classifier = ArrayRecord({key: state[key] for key in CLASSIFIER_KEYS})
+        self.encoders_id = fingerprint(self.encoders)
+        log(
+            INFO,
+            "Stage 3: %d encoders concatenated (classifier %s, init %s)",
+            len(states),
+            tuple(head[0].shape),
+            "from cluster heads" if self.init_classifier else "random",
+        )
+
+    def _concat_arrays(self) -> ArrayRecord:
+        assert self.encoders is not None and self.classifier is not None
+        return ArrayRecord({**dict(self.encoders.items()), **dict(self.classifier.items())})
+
+    def _evaluate_clusters(self) -> list[dict[str, Any]]:
+        assert self.make_model is not None and self.evaluate_model is not None
+        results = []
+        for cluster, arrays in enumerate(self.cluster_models):
+            model = self.make_model()
+            model.load_state_dict(arrays.to_torch_state_dict())
+            loss, accuracy = self.evaluate_model(model)
+            results.append({"cluster": cluster, "accuracy": accuracy, "loss": loss})
+            log(INFO, "Stage 2: cluster %d model accuracy %.4f", cluster, accuracy)
+        return results
+
+    def global_module(self, arrays: ArrayRecord, make_model: Callable[[], nn.Module]) -> nn.Module:
+        """A ConcatModel for FedConcat's global arrays (the plain model for the initial ones)."""
+        if not is_concat_state(arrays.keys()):
+            return super().global_module(arrays, make_model)
+        model = ConcatModel.from_factory(make_model, num_encoders(list(arrays.keys())))
+        model.load_state_dict(arrays.to_torch_state_dict())
+        return model
+
+    def save_model(self, path: str | Path) -> Path:
+        """Write the current ConcatModel to `path` (loadable with `core.concat.load_concat_model`)."""
+        assert self.input_shape is not None
+        mean = std = None
+        if self.normalization is not None:
+            mean, std = self.normalization.mean, self.normalization.std
+        return save_concat_model(
+            path,
+            self._concat_arrays().to_torch_state_dict(),
+            model_name=self.model_name,
+            input_shape=self.input_shape,
+            mean=mean,
+            std=std,
+        )
+
+    # ------------------------------------------------------------------ Flower entry point and state
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: EvaluateFn | None = None,
+    ) -> Result:
+        """Run T_e + T_c rounds (`num_rounds` is not used), then save the model to `output_path`."""
+        if num_rounds != self.num_rounds:
+            log(
+                INFO,
+                "FedConcat runs its own %d rounds (%d encoder + %d classifier); num_rounds=%d is not used",
+                self.num_rounds,
+                self.encoder_rounds,
+                self.classifier_rounds,
+                num_rounds,
+            )
+        result = super().start(
+            grid, initial_arrays, self.num_rounds, timeout, train_config, evaluate_config, evaluate_fn
+        )
+        if self.output_path is not None and self.classifier is not None:
+            log(INFO, "FedConcat model saved to %s", self.save_model(self.output_path))
+        return result
+
+    def state_dict(self) -> dict[str, Any]:
+        """Base state plus clusters, cluster models, encoders, classifier, caches, byte counts."""
+        state = super().state_dict()
+        state["fedconcat"] = {
+            "setup_record": copy.deepcopy(self.setup_record),
+            "assignment": dict(self.assignment),
+            "cluster_models": [_to_numpy(model) for model in self.cluster_models],
+            "encoders": None if self.encoders is None else _to_numpy(self.encoders),
+            "encoders_id": self.encoders_id,
+            "classifier": None if self.classifier is None else _to_numpy(self.classifier),
+            "cached": sorted(self.cached),
+            "bytes_by_stage": copy.deepcopy(self.bytes_by_stage),
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        super().load_state_dict(state)
+        saved = state["fedconcat"]
+        self.setup_record = copy.deepcopy(saved["setup_record"])
+        self.assignment = {int(node): int(cluster) for node, cluster in saved["assignment"].items()}
+        self.cluster_models = [_from_numpy(arrays) for arrays in saved["cluster_models"]]
+        self.encoders = None if saved["encoders"] is None else _from_numpy(saved["encoders"])
+        self.encoders_id = saved["encoders_id"]
+        self.classifier = None if saved["classifier"] is None else _from_numpy(saved["classifier"])
+        self.cached = set(saved["cached"])
+        self.bytes_by_stage = copy.deepcopy(saved["bytes_by_stage"])
+
+
+def fingerprint(arrays: ArrayRecord) -> str:
+    """Short SHA-256 of an ArrayRecord's keys and bytes (names the encoders a cache was built from)."""
+    digest = hashlib.sha256()
+    for key, array in arrays.items():
+        digest.update(key.encode())
+        digest.update(np.ascontiguousarray(array.numpy()).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _to_numpy(arrays: ArrayRecord) -> dict[str, np.ndarray]:
+    return {key: array.numpy() for key, array in arrays.items()}
+
+
+def _from_numpy(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({key: Array(np.asarray(value)) for key, value in arrays.items()})
+
+
+def build(config: RunConfig, env: ServerEnv) -> FedConcat:
+    """FedConcat (`strategy='fedconcat'`) or FedConcat-ID (`'fedconcat-id'`) from the run config."""
+    if config.fraction_evaluate > 0:
+        log(WARNING, "FedConcat ignores fraction-evaluate: the concatenated model is evaluated on the server")
+    return FedConcat(
+        label_inference=config.strategy == "fedconcat-id",
+        num_clusters=config.fedconcat_num_clusters,
+        balanced=config.fedconcat_balanced,
+        dp_epsilon=config.fedconcat_dp_epsilon,
+        id_samples=config.fedconcat_id_samples,
+        encoder_rounds=config.fedconcat_encoder_rounds,
+        classifier_rounds=config.fedconcat_classifier_rounds,
+        classifier_steps=config.fedconcat_classifier_steps,
+        init_classifier=config.fedconcat_init_classifier,
+        fraction_train=config.fraction_train,
+        model_name=resolve_model_name(config.model, config.dataset),
+        input_shape=env.data.input_shape,
+        normalization=env.normalization,
+        make_model=env.make_model,
+        evaluate_model=env.evaluate,
+        device=env.device,
+        output_path=Path(config.output_dir) / MODEL_FILE,
+        round_timeout=config.timeout,
+        seed=config.seed,
+    )

@@ -1,0 +1,132 @@
+"""Exact tests of FedConcat's concatenated model: initialization, freezing, head training, save/load."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from concatfl.core.concat import (
+    ConcatModel,
+    classifier_from_heads,
+    concat_state_dict,
+    is_concat_state,
+    load_concat_model,
+    num_encoders,
+    random_classifier,
+    save_concat_model,
+    train_classifier,
+)
+from concatfl.models import build_model
+
+
+SHAPE = (1, 8, 8)
+
+
+def make_mlp():
+    return build_model("mlp", SHAPE, 10)
+
+
+def cluster_models(count: int = 3):
+    torch.manual_seed(0)
+    return [make_mlp() for _ in range(count)]
+
+
+def test_head_init_gives_the_sum_of_cluster_logits():
+    models = cluster_models()
+    states = [model.state_dict() for model in models]
+    concat = ConcatModel.from_factory(make_mlp, 3)
+    concat.load_state_dict(concat_state_dict(states, classifier_from_heads(states)))
+    x = torch.randn(16, *SHAPE)
+    with torch.no_grad():
+        expected = sum(model(x) for model in models)
+        got = concat(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert concat.classifier.weight.shape == (10, 3 * 200)
+
+
+def test_state_dict_layout():
+    states = [model.state_dict() for model in cluster_models(2)]
+    state = concat_state_dict(states, classifier_from_heads(states))
+    assert num_encoders(state) == 2 and is_concat_state(state)
+    assert not is_concat_state(states[0])
+    torch.testing.assert_close(state["encoders.1.fc2.weight"], states[1]["encoder.fc2.weight"])
+    assert list(state)[-2:] == ["classifier.weight", "classifier.bias"]
+
+
+def test_encoders_are_frozen_and_stay_in_eval_mode():
+    concat = ConcatModel.from_factory(make_mlp, 2)
+    before = {k: v.clone() for k, v in concat.encoders.state_dict().items()}
+    concat.train()
+    assert concat.classifier.training and not any(m.training for m in concat.encoders.modules())
+    assert all(not p.requires_grad for p in concat.encoders.parameters())
+    optimizer = torch.optim.SGD(concat.parameters(), lr=1.0)
+    loss = torch.nn.functional.cross_entropy(concat(torch.randn(8, *SHAPE)), torch.arange(8))
+    loss.backward()
+    optimizer.step()
+    assert concat.classifier.weight.grad is not None
+    assert all(p.grad is None for p in concat.encoders.parameters())
+    for key, value in concat.encoders.state_dict().items():
+        torch.testing.assert_close(value, before[key])
+
+
+def test_random_classifier_is_seeded_and_bounded():
+    w1, b1 = random_classifier(400, 10, torch.Generator().manual_seed(5))
+    w2, b2 = random_classifier(400, 10, torch.Generator().manual_seed(5))
+    torch.testing.assert_close(w1, w2)
+    torch.testing.assert_close(b1, b2)
+    assert w1.shape == (10, 400) and b1.shape == (10,)
+    assert w1.abs().max() <= 1 / 20 and b1.abs().max() <= 1 / 20
+
+
+def test_train_classifier_takes_the_given_number_of_steps_and_learns():
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.arange(40) % 2
+    features = torch.nn.functional.one_hot(labels, 2).float() * 3 + 0.1 * torch.randn(
+        40, 2, generator=generator
+    )
+    head = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+    first = train_classifier(head, features, labels, steps=1, batch_size=8, lr=0.5, generator=generator)
+    later = train_classifier(head, features, labels, steps=12, batch_size=8, lr=0.5, generator=generator)
+    assert first == pytest.approx(torch.log(torch.tensor(2.0)).item(), rel=1e-5)
+    assert later < first
+    assert (head(features).argmax(dim=1) == labels).all()
+
+
+def test_saved_model_loads_back_without_flower(tmp_path):
+    states = [model.state_dict() for model in cluster_models(2)]
+    concat = ConcatModel.from_factory(make_mlp, 2)
+    concat.load_state_dict(concat_state_dict(states, classifier_from_heads(states)))
+    path = save_concat_model(
+        tmp_path / "m.pt", concat.state_dict(), model_name="mlp", input_shape=SHAPE, mean=[0.3], std=[0.4]
+    )
+    x = torch.rand(5, *SHAPE)
+    torch.save(x, tmp_path / "x.pt")
+    with torch.no_grad():
+        torch.save(concat((x - 0.3) / 0.4), tmp_path / "expected.pt")
+    # A fresh interpreter in which importing flwr fails: loading and inference need torch only.
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["flwr"] = None
+        import torch
+        from concatfl.core.concat import load_concat_model
+        model, meta = load_concat_model({str(path)!r})
+        x = torch.load({str(tmp_path / "x.pt")!r})
+        mean, std = meta["mean"][0], meta["std"][0]
+        with torch.no_grad():
+            torch.testing.assert_close(model((x - mean) / std), torch.load({str(tmp_path / "expected.pt")!r}))
+        assert meta["num_encoders"] == 2 and meta["model"] == "mlp" and meta["num_classes"] == 10
+        assert not any(name.startswith("flwr") and mod is not None for name, mod in sys.modules.items())
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+    model, meta = load_concat_model(path)
+    assert meta["input_shape"] == list(SHAPE) and not model.training
