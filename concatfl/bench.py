@@ -124,6 +124,39 @@ SUITES = {
             "classifier MB": _stage_megabytes("classifier"),
         },
     ),
+    "baselines-digits": Suite(
+        "baselines-digits",
+        "digits, 20 clients, Dirichlet α=0.1, 40 rounds for every method (FedConcat: 20 encoder + 20 "
+        "classifier rounds), fraction-train 0.2 (FedAvg/SCAFFOLD: 4 clients per round, FedCat: K=4, "
+        "FedSeq: 1 of ~5 superclients of ≥230 samples); FedProx μ=0.01, FedDyn α=0.1 (the FedSeq paper's), "
+        "MOON μ=1 τ=0.5, FedRS α=0.5, FedLC τ=1",
+        20,
+        {
+            **DIGITS_DIRICHLET,
+            "fraction-train": 0.2,
+            "min-available-nodes": 20,
+            "fedcat-k": 4,
+            "fedseq-min-samples": 230,
+            "fedconcat-encoder-rounds": 20,
+            "fedconcat-classifier-rounds": 20,
+        },
+        [
+            Method("FedAvg", {"strategy": "fedavg"}),
+            Method("FedProx", {"strategy": "fedprox", "proximal-mu": 0.01}),
+            Method("SCAFFOLD", {"strategy": "scaffold"}),
+            Method("FedCat", {"strategy": "fedcat"}),
+            Method("FedSeq", {"strategy": "fedseq"}),
+            Method("FedSeqInter", {"strategy": "fedseq-inter"}),
+            Method("FedConcat", {"strategy": "fedconcat"}),
+            Method("FedConcat-ID", {"strategy": "fedconcat-id"}),
+            Method("FedSeq + FedDyn", {"strategy": "fedseq", "local-objective": "feddyn", "feddyn-alpha": 0.1}),
+            Method("FedCat + FedProx", {"strategy": "fedcat", "local-objective": "fedprox", "proximal-mu": 0.01}),
+            Method("FedAvg + FedDyn", {"strategy": "fedavg", "local-objective": "feddyn", "feddyn-alpha": 0.1}),
+            Method("FedAvg + MOON", {"strategy": "fedavg", "local-objective": "moon"}),
+            Method("FedAvg + FedRS", {"strategy": "fedavg", "local-objective": "fedrs"}),
+            Method("FedAvg + FedLC", {"strategy": "fedavg", "local-objective": "fedlc"}),
+        ],
+    ),
 }
 
 

@@ -2,7 +2,10 @@
 
 The partition comes from `context.node_config` (`partition-id`, `num-partitions`), so the same
 app runs in simulation and in deployment. Training hyperparameters arrive in the message's
-``"config"`` record; any key missing there falls back to the run config.
+``"config"`` record; any key missing there falls back to the run config. The local objective
+(``local-objective``: sgd, fedprox, feddyn, moon, fedrs, fedlc) and SCAFFOLD rounds (a train
+message carrying a ``"control"`` ArrayRecord) are described in `concatfl.objectives`; their
+client state lives in ``context.state``.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from .fedconcat_client import (
     handle_head_training,
     handle_label_query,
 )
+from .objectives import CONTROL_KEY, build_objective
 from .runtime import ClientData, load_client_data, load_data, make_model
-from .training import evaluate, pick_device, proximal_regularizer, train
+from .training import evaluate, pick_device, train
 
 app = ClientApp()
 
@@ -55,12 +59,22 @@ def received_model(message: Message, config: RunConfig) -> torch.nn.Module:
 
 @app.train()
 def train_handler(message: Message, context: Context) -> Message:
-    """Train the received model on the local train split and send it back."""
+    """Train the received model with the local objective on the local train split and send it back."""
     config = client_config(context)
     data = client_data(context, config)
     settings = {**config.as_dict(), **dict(message.content.config_records.get("config", {}))}
+    device = pick_device(config.device)
     model = received_model(message, config)
-    mu = float(settings["proximal-mu"])
+    objective = build_objective(
+        settings,
+        context.state,
+        received=received_model(message, config),
+        make_model=lambda: make_model(config, load_data(config)),
+        label_counts=data.label_counts(),
+        num_examples=len(data.y_train),
+        device=device,
+        control=message.content.array_records.get(CONTROL_KEY),
+    )
     seed = int(settings.get("server-round", 0)) * 100_003 + int(context.node_config["partition-id"])
     started = time.perf_counter()
     loss = train(
@@ -73,16 +87,19 @@ def train_handler(message: Message, context: Context) -> Message:
         momentum=float(settings["momentum"]),
         weight_decay=float(settings["weight-decay"]),
         normalization=data.normalization,
-        device=pick_device(config.device),
+        device=device,
         generator=torch.Generator().manual_seed(config.seed * 1_000_003 + seed),
         augmentation=data.augmentation,
-        regularizer=proximal_regularizer(received_model(message, config), mu) if mu > 0 else None,
+        regularizer=objective.regularizer,
+        loss_fn=objective.loss,
     )
     metrics = MetricRecord(
         {"num-examples": len(data.y_train), "train-loss": loss, "train-seconds": time.perf_counter() - started}
     )
-    arrays = ArrayRecord(model.cpu().state_dict())
-    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=message)
+    # SCAFFOLD's finish replaces "arrays" by the model delta and adds "control".
+    extra = objective.finish(model)
+    records = {"arrays": ArrayRecord(model.cpu().state_dict()), **extra, "metrics": metrics}
+    return Message(RecordDict(records), reply_to=message)
 
 
 @app.evaluate()

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-STRATEGIES = ("fedavg", "fedprox", "fedcat", "fedseq", "fedseq-inter", "fedconcat", "fedconcat-id")
+STRATEGIES = ("fedavg", "fedprox", "scaffold", "fedcat", "fedseq", "fedseq-inter", "fedconcat", "fedconcat-id")
+LOCAL_OBJECTIVES = ("sgd", "fedprox", "feddyn", "moon", "fedrs", "fedlc")
 DATASETS = ("digits", "mnist", "fmnist", "cifar10", "cifar100", "svhn", "femnist")
 PARTITIONS = ("iid", "dirichlet", "classes", "natural")
 MODELS = ("auto", "mlp", "mcmahan-cnn", "simple-cnn", "lenet5", "vgg9", "resnet18")
@@ -51,6 +52,13 @@ class RunConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     proximal_mu: float = 0.0
+    local_objective: str = "sgd"
+    scaffold_server_lr: float = 1.0
+    feddyn_alpha: float = 0.01
+    moon_tau: float = 0.5
+    moon_mu: float = 1.0
+    fedrs_alpha: float = 0.5
+    fedlc_tau: float = 1.0
     seed: int = 0
     device: str = "auto"
     output_dir: str = "outputs"
@@ -142,6 +150,13 @@ class RunConfig:
         _at_least("proximal-mu", self.proximal_mu, 0.0)
         if self.strategy == "fedprox" and self.proximal_mu <= 0:
             raise ConfigError("strategy='fedprox' needs proximal-mu > 0 (the weight of the proximal term)")
+        _open_interval("scaffold-server-lr", self.scaffold_server_lr, 0.0, float("inf"))
+        _open_interval("feddyn-alpha", self.feddyn_alpha, 0.0, float("inf"))
+        _open_interval("moon-tau", self.moon_tau, 0.0, float("inf"))
+        _at_least("moon-mu", self.moon_mu, 0.0)
+        _open_interval("fedrs-alpha", self.fedrs_alpha, 0.0, 1.0, closed_low=True, closed_high=True)
+        _at_least("fedlc-tau", self.fedlc_tau, 0.0)
+        self._validate_objective()
         _at_least("fedcat-k", self.fedcat_k, 0)
         if self.fedcat_k == 1:
             raise ConfigError("fedcat-k must be 0 (auto: round(fraction-train x N), at least 2) or >= 2")
@@ -170,6 +185,40 @@ class RunConfig:
         _at_least("fedconcat-encoder-rounds", self.fedconcat_encoder_rounds, 1)
         _at_least("fedconcat-classifier-rounds", self.fedconcat_classifier_rounds, 1)
         _at_least("fedconcat-classifier-steps", self.fedconcat_classifier_steps, 1)
+
+
+    def _validate_objective(self) -> None:
+        """Reject `local-objective` / `strategy` / `proximal-mu` combinations that make no sense."""
+        objective = self.local_objective
+        _choice("local-objective", objective, LOCAL_OBJECTIVES)
+        if self.strategy == "scaffold" and (objective != "sgd" or self.proximal_mu > 0):
+            raise ConfigError(
+                "strategy='scaffold' corrects the local gradients with its control variates and needs "
+                f"local-objective='sgd' and proximal-mu=0 (got local-objective={objective!r}, "
+                f"proximal-mu={self.proximal_mu})"
+            )
+        if self.strategy == "fedprox" and objective not in ("sgd", "fedprox"):
+            raise ConfigError(
+                f"strategy='fedprox' is FedAvg with local-objective='fedprox'; it does not combine with "
+                f"local-objective={objective!r} (use strategy='fedavg')"
+            )
+        if objective == "fedprox" and self.proximal_mu <= 0:
+            raise ConfigError("local-objective='fedprox' needs proximal-mu > 0 (the weight of the proximal term)")
+        if self.proximal_mu > 0 and objective not in ("sgd", "fedprox"):
+            raise ConfigError(
+                f"proximal-mu > 0 adds FedProx's term, which local-objective={objective!r} does not combine "
+                "with; set proximal-mu=0"
+            )
+        if objective == "feddyn" and self.strategy in ("fedconcat", "fedconcat-id"):
+            raise ConfigError(
+                f"local-objective='feddyn' needs the server's FedDyn correction, which strategy="
+                f"{self.strategy!r} (per-cluster FedAvg, then a head on cached features) does not provide"
+            )
+        if objective in ("fedrs", "fedlc") and self.strategy == "fedconcat-id":
+            raise ConfigError(
+                f"strategy='fedconcat-id' infers label distributions from the label bias of locally trained "
+                f"models, which local-objective={objective!r} removes; use strategy='fedconcat'"
+            )
 
 
 def known_keys() -> list[str]:

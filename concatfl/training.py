@@ -16,6 +16,8 @@ from torch import nn
 from .data.transforms import normalize
 
 Regularizer = Callable[[nn.Module], torch.Tensor]
+# (model, inputs, targets) -> the batch loss; cross-entropy of model(inputs) when none is given.
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 Augmentation = Callable[[torch.Tensor, torch.Generator | None], torch.Tensor]
 
 
@@ -65,10 +67,13 @@ def train(
     generator: torch.Generator,
     augmentation: Augmentation | None = None,
     regularizer: Regularizer | None = None,
+    loss_fn: LossFn | None = None,
 ) -> float:
     """Mini-batch SGD for `epochs` epochs over (x, y); returns the mean training loss.
 
-    `regularizer(model)` is added to every batch loss (FedProx's proximal term, …).
+    `loss_fn(model, inputs, targets)` replaces the cross-entropy batch loss (the local
+    objectives of `concatfl.objectives`: MOON, FedRS, FedLC) and `regularizer(model)` is added
+    to every batch loss (FedProx's proximal term, FedDyn's and SCAFFOLD's linear terms, …).
     """
     model.to(device).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -83,7 +88,7 @@ def train(
                 inputs = augmentation(inputs, generator)
             inputs, targets = normalization(inputs).to(device), y[idx].to(device)
             optimizer.zero_grad()
-            loss = criterion(model(inputs), targets)
+            loss = criterion(model(inputs), targets) if loss_fn is None else loss_fn(model, inputs, targets)
             if regularizer is not None:
                 loss = loss + regularizer(model)
             loss.backward()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .base import RelayStrategy
 from .fedavg import FedAvg, FedProx
+from .feddyn import FedDynServer
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 STRATEGY_MODULES = {
     "fedavg": "fedavg",
     "fedprox": "fedavg",
+    "scaffold": "scaffold",
     "fedcat": "fedcat",
     "fedseq": "fedseq",
     "fedseq-inter": "fedseq",
@@ -28,9 +30,15 @@ STRATEGY_MODULES = {
     "fedconcat-id": "fedconcat",
 }
 # Classes that live in modules importing heavier dependencies are loaded on first use.
-_LAZY_CLASSES = {"FedCat": "fedcat", "FedSeq": "fedseq", "FedSeqInter": "fedseq", "FedConcat": "fedconcat"}
+_LAZY_CLASSES = {
+    "Scaffold": "scaffold",
+    "FedCat": "fedcat",
+    "FedSeq": "fedseq",
+    "FedSeqInter": "fedseq",
+    "FedConcat": "fedconcat",
+}
 
-__all__ = ["FedAvg", "FedProx", "RelayStrategy", "build_strategy", *_LAZY_CLASSES]
+__all__ = ["FedAvg", "FedDynServer", "FedProx", "RelayStrategy", "build_strategy", *_LAZY_CLASSES]
 
 
 def build_strategy(config: RunConfig, env: ServerEnv) -> RelayStrategy:

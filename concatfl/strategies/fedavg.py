@@ -8,6 +8,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
+from . import feddyn as feddyn_server
 from .base import RelayStrategy
 from .common import (
     NUM_EXAMPLES_KEY,
@@ -47,6 +48,10 @@ class FedAvg(RelayStrategy):
     proximal_mu : float (default: 0.0)
         Sent to clients as ``config["proximal-mu"]``; > 0 turns the client objective into
         FedProx's μ/2·‖θ − θ_received‖² regularized loss. The server side is unchanged.
+    feddyn : FedDynServer | None (default: None)
+        FedDyn (Acar et al. 2021): the clients are told to run FedDyn's objective and the
+        server forms θ = mean(θ_k) − h/α with the *unweighted* mean, as in the paper, and m =
+        the number of connected nodes (`concatfl.strategies.feddyn`).
     fraction_evaluate, round_timeout, seed
         See `RelayStrategy`.
     """
@@ -56,11 +61,14 @@ class FedAvg(RelayStrategy):
         fraction_train: float = 1.0,
         min_train_nodes: int = 1,
         proximal_mu: float = 0.0,
+        feddyn: feddyn_server.FedDynServer | None = None,
         fraction_evaluate: float = 0.0,
         round_timeout: float | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__(fraction_evaluate=fraction_evaluate, round_timeout=round_timeout, seed=seed)
+        if feddyn is not None and proximal_mu > 0:
+            raise ValueError("FedDyn has its own proximal term; use proximal_mu=0 with feddyn")
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
         if proximal_mu < 0:
@@ -68,6 +76,10 @@ class FedAvg(RelayStrategy):
         self.fraction_train = fraction_train
         self.min_train_nodes = min_train_nodes
         self.proximal_mu = proximal_mu
+        self.feddyn = feddyn
+        # The global model the current round started from, and the number of connected nodes (FedDyn's m).
+        self._sent: ArrayRecord | None = None
+        self._num_nodes = 0
 
     def train_requests(
         self, server_round: int, hop: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -79,19 +91,40 @@ class FedAvg(RelayStrategy):
         count = sample_count(self.fraction_train, len(nodes), self.min_train_nodes)
         chosen = sample_nodes(self.rng, nodes, count)
         settings: dict[str, Any] = {**dict(config), "server-round": server_round, "proximal-mu": self.proximal_mu}
+        if self.feddyn is not None:
+            settings.update(self.feddyn.settings())
+        self._sent, self._num_nodes = arrays, len(nodes)
         self.record("selected", sorted(chosen))
         return [Request(node, train_content(arrays, settings)) for node in chosen]
 
     def aggregate_hop(
         self, server_round: int, hop: HopResult
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Weighted average of the valid replies; the model is kept when none came back."""
+        """Weighted average of the valid replies (FedDyn: its corrected plain mean); the model is
+        kept when none came back."""
         if not hop.replies:
             return None, None
-        weights = [reply.num_examples for reply in hop.replies]
-        averaged = weighted_average([reply.arrays for reply in hop.replies], weights)
+        models = [reply.arrays for reply in hop.replies]
         metrics = aggregate_metricrecords([reply.content for reply in hop.replies], NUM_EXAMPLES_KEY)
+        if self.feddyn is None:
+            return weighted_average(models, [reply.num_examples for reply in hop.replies]), metrics
+        assert self._sent is not None
+        averaged = self.feddyn.step(self._sent, models, weighted_average(models, [1.0] * len(models)), self._num_nodes)
+        self.record("feddyn_h_norm", self.feddyn.h_norm)
         return averaged, metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """Base state plus FedDyn's h when FedDyn is on."""
+        state = super().state_dict()
+        if self.feddyn is not None:
+            state["feddyn"] = self.feddyn.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        super().load_state_dict(state)
+        if self.feddyn is not None:
+            self.feddyn.load_state_dict(state["feddyn"])
 
 
 class FedProx(FedAvg):
@@ -107,7 +140,7 @@ class FedProx(FedAvg):
 
 
 def build(config: RunConfig, env: ServerEnv) -> FedAvg:
-    """FedAvg (or FedProx) from the run config."""
+    """FedAvg (or FedProx) from the run config; with `local-objective='feddyn'`, FedAvg + FedDyn."""
     common: dict[str, Any] = {
         "fraction_train": config.fraction_train,
         "fraction_evaluate": config.fraction_evaluate,
@@ -116,4 +149,4 @@ def build(config: RunConfig, env: ServerEnv) -> FedAvg:
     }
     if config.strategy == "fedprox":
         return FedProx(proximal_mu=config.proximal_mu, **common)
-    return FedAvg(proximal_mu=config.proximal_mu, **common)
+    return FedAvg(proximal_mu=config.proximal_mu, feddyn=feddyn_server.from_config(config, env), **common)

@@ -29,6 +29,7 @@ from ..core.fedcat import (
 )
 from .base import EvaluateFn, RelayStrategy
 from .common import NUM_EXAMPLES_KEY, HopResult, Request, live_node_ids, train_content, weighted_average
+from .feddyn import FedDynServer, from_config as feddyn_from_config
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -93,6 +94,12 @@ class FedCat(RelayStrategy):
     concat : bool (default: True)
         False averages the copies after every round instead of every K rounds (the
         "FedCat w/ GC" ablation); with `selection="random"` this is FedAvg with K clients.
+    feddyn : FedDynServer | None (default: None)
+        FedCat + FedDyn: the devices run FedDyn's objective (regularized toward the copy they
+        received) and whenever the copies are averaged into a new global model (cycle end, or
+        K shrinking) the server applies FedDyn's step with the K copies as its m clients, θ_prev
+        the model the cycle started from and the d_i-weighted average as the mean. The average
+        reported for a last round inside a cycle is not corrected (h is left for a resumed run).
     fraction_evaluate, round_timeout, seed
         See `RelayStrategy`.
     """
@@ -106,6 +113,7 @@ class FedCat(RelayStrategy):
         epsilon: float = 0.5,
         selection: str = "grouped-count",
         concat: bool = True,
+        feddyn: FedDynServer | None = None,
         fraction_evaluate: float = 0.0,
         round_timeout: float | None = None,
         seed: int = 0,
@@ -127,6 +135,7 @@ class FedCat(RelayStrategy):
         self.epsilon = epsilon
         self.selection = selection
         self.concat = concat
+        self.feddyn = feddyn
         # The algorithm's state (all saved by `state_dict`); K is fixed at the first round.
         self._k: int | None = None
         self._round_index = 0  # r, counted from when the current K took effect
@@ -135,6 +144,7 @@ class FedCat(RelayStrategy):
         self._copies: list[ArrayRecord] = []
         self._data_sizes = np.zeros(0, dtype=np.int64)
         self._selected: list[int] = []
+        self._cycle_start: ArrayRecord | None = None  # θ_prev of FedDyn's step
         # Transient within a round: the global model folded from the copies when K shrank.
         self._folded: ArrayRecord | None = None
         self._last_round: int | None = None
@@ -161,12 +171,15 @@ class FedCat(RelayStrategy):
         if offset == 0 or not self.concat:
             self._copies = [global_arrays] * k
             self._data_sizes = np.zeros(k, dtype=np.int64)
+            self._cycle_start = global_arrays
         plan = dispatch(self._selected, offset)
         self.record("k", k)
         self.record("offset", offset)
         self.record("selected", list(self._selected))
         self.record("copy_to_device", plan)
         settings: dict[str, Any] = {**dict(config), "server-round": server_round}
+        if self.feddyn is not None:
+            settings.update(self.feddyn.settings())
         return [Request(node, train_content(self._copies[i], settings), tag=i) for i, node in enumerate(plan)]
 
     def aggregate_hop(
@@ -186,7 +199,7 @@ class FedCat(RelayStrategy):
         if cycle_ends or server_round == self._last_round:
             if not cycle_ends:
                 log(INFO, "FedCat: last round inside a cycle; returning the average of the copies so far")
-            averaged = self._average_copies()
+            averaged = self._average_copies(close_cycle=cycle_ends)
             new_global = new_global if averaged is None else averaged
         metrics = (
             aggregate_metricrecords([reply.content for reply in hop.replies], NUM_EXAMPLES_KEY)
@@ -224,7 +237,12 @@ class FedCat(RelayStrategy):
             "selected": list(self._selected),
             "copies": [{key: array.numpy() for key, array in copy.items()} for copy in self._copies],
             "data_sizes": self._data_sizes.copy(),
+            "cycle_start": None
+            if self._cycle_start is None
+            else {key: array.numpy() for key, array in self._cycle_start.items()},
         }
+        if self.feddyn is not None:
+            state["feddyn"] = self.feddyn.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -240,6 +258,12 @@ class FedCat(RelayStrategy):
             ArrayRecord({key: Array(np.array(value)) for key, value in copy.items()}) for copy in saved["copies"]
         ]
         self._data_sizes = np.array(saved["data_sizes"], dtype=np.int64)
+        start = saved.get("cycle_start")
+        self._cycle_start = (
+            None if start is None else ArrayRecord({key: Array(np.array(value)) for key, value in start.items()})
+        )
+        if self.feddyn is not None:
+            self.feddyn.load_state_dict(state["feddyn"])
 
     # ------------------------------------------------------------------ helpers
     def _require_k(self) -> int:
@@ -267,7 +291,7 @@ class FedCat(RelayStrategy):
         log(WARNING, "FedCat: only %s nodes remain for K=%s; K shrinks to %s", len(nodes), self._k, len(nodes))
         # The open cycle is closed early so the copies' training reaches the global model.
         cycle_open = self.concat and self._round_index % self._k != 0
-        self._folded = self._average_copies() if cycle_open else None
+        self._folded = self._average_copies(close_cycle=True) if cycle_open else None
         self._k = len(nodes)
         self._round_index = 0
         self._counts = CountTable(self._k)
@@ -286,11 +310,19 @@ class FedCat(RelayStrategy):
         log(INFO, "FedCat: new groups (%s): %s", reason, self._groups)
         self.record("groups", [list(group) for group in self._groups])
 
-    def _average_copies(self) -> ArrayRecord | None:
-        """Σ d_i·m_i / Σ d_i, or None when no copy has trained yet."""
+    def _average_copies(self, close_cycle: bool) -> ArrayRecord | None:
+        """Σ d_i·m_i / Σ d_i, or None when no copy has trained yet. With FedDyn, a model that
+        closes the cycle (`close_cycle`) gets FedDyn's server step over the trained copies."""
         if self._data_sizes.sum() <= 0:
             return None
-        return weighted_average(self._copies, [float(d) for d in self._data_sizes])
+        averaged = weighted_average(self._copies, [float(d) for d in self._data_sizes])
+        if self.feddyn is None or not close_cycle:
+            return averaged
+        assert self._cycle_start is not None
+        trained = [copy for copy, size in zip(self._copies, self._data_sizes) if size > 0]
+        averaged = self.feddyn.step(self._cycle_start, trained, averaged, len(self._copies))
+        self.record("feddyn_h_norm", self.feddyn.h_norm)
+        return averaged
 
 
 def build(config: RunConfig, env: ServerEnv) -> FedCat:
@@ -302,7 +334,9 @@ def build(config: RunConfig, env: ServerEnv) -> FedCat:
         epsilon=config.fedcat_epsilon,
         selection=config.fedcat_selection,
         concat=config.fedcat_concat,
+        feddyn=feddyn_from_config(config, env),
         fraction_evaluate=config.fraction_evaluate,
         round_timeout=config.timeout,
         seed=config.seed,
     )
+

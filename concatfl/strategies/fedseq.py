@@ -40,6 +40,7 @@ from .common import (
     weighted_average,
 )
 from .fedavg import sample_count
+from .feddyn import FedDynServer, from_config as feddyn_from_config
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -120,6 +121,14 @@ class FedSeq(RelayStrategy):
     proximal_mu : float (default: 0.0)
         Sent as ``config["proximal-mu"]`` in stage 2; > 0 makes each client's FedProx term pull
         toward the model it received, i.e. the previous client's (paper's Eq. 5).
+    feddyn : FedDynServer | None (default: None)
+        FedSeq + FedDyn (the FedSeq paper's best combination): every client of a chain runs
+        FedDyn's objective regularized toward the model it received (the previous client's), and
+        the server applies FedDyn's step to the new global model with the superclients as its m
+        clients, θ_prev the round's start model and the |D_S|-weighted average as the mean.
+        FedSeqInter applies it at its every-N_S-rounds aggregation, with the slots as the m
+        clients and θ_prev the model the slots last restarted from. Pre-training (stage 1) is
+        always plain SGD.
     report_label_counts : bool (default: False)
         Diagnostic for simulations: ask every client for its true label counts (a "query"
         message answered with ``metrics["label-counts"]``) and report the superclients'
@@ -151,6 +160,7 @@ class FedSeq(RelayStrategy):
         superclient_epochs: int = 1,
         fraction_train: float = 1.0,
         proximal_mu: float = 0.0,
+        feddyn: FedDynServer | None = None,
         report_label_counts: bool = False,
         fraction_evaluate: float = 0.0,
         round_timeout: float | None = None,
@@ -193,6 +203,7 @@ class FedSeq(RelayStrategy):
         self.superclient_epochs = superclient_epochs
         self.fraction_train = fraction_train
         self.proximal_mu = proximal_mu
+        self.feddyn = feddyn
         self.report_label_counts = report_label_counts
         self.superclients: dict[int, list[int]] = {}
         self.client_samples: dict[int, int] = {}
@@ -206,13 +217,20 @@ class FedSeq(RelayStrategy):
             self._exemplars = sc.exemplar_indices(exemplar_pool[1].numpy(), exemplars_per_class, self.rng)
             self._announce_exemplars()
         self._chains: list[_Chain] = []
+        self._round_start: ArrayRecord | None = None  # FedDyn's θ_prev
         self._hops_done = 0
         self._round_metrics: list[RecordDict] = []
 
     # ------------------------------------------------------------------ stage 1
     def setup(self, grid: Grid, initial_arrays: ArrayRecord, train_config: ConfigRecord) -> None:
         """Pre-train on every connected client, approximate ψ, group, and report."""
-        settings = {**dict(train_config), "server-round": 0, "local-epochs": self.pretrain_epochs, "proximal-mu": 0.0}
+        settings = {
+            **dict(train_config),
+            "server-round": 0,
+            "local-epochs": self.pretrain_epochs,
+            "proximal-mu": 0.0,
+            "local-objective": "sgd",
+        }
         nodes = live_node_ids(grid)
         requests = [Request(node, train_content(initial_arrays, settings), tag="pretrain") for node in nodes]
         pretraining = self.hop(grid, requests)
@@ -348,6 +366,8 @@ class FedSeq(RelayStrategy):
         if hop == 0:
             self._start_round(arrays, grid)
         settings: dict[str, Any] = {**dict(config), "server-round": server_round, "proximal-mu": self.proximal_mu}
+        if self.feddyn is not None:
+            settings.update(self.feddyn.settings())
         return [
             Request(chain.order[hop], train_content(chain.model, settings), tag=chain.superclient)
             for chain in self._chains
@@ -391,6 +411,7 @@ class FedSeq(RelayStrategy):
         """Drop vanished nodes, select superclients, give each a start model and a shuffled chain."""
         self._drop_vanished(set(live_node_ids(grid)))
         self._chains, self._hops_done, self._round_metrics = [], 0, []
+        self._round_start = arrays
         ids = sorted(self.superclients)
         if not ids:
             log(WARNING, "FedSeq: no superclient left; the round trains nothing")
@@ -409,10 +430,24 @@ class FedSeq(RelayStrategy):
         return [(arrays, None)] * count
 
     def _finish_round(self, trained: list[_Chain]) -> ArrayRecord | None:
-        """|D_S|-weighted average of the superclients that trained (None when none did)."""
+        """|D_S|-weighted average of the superclients that trained (None when none did), with
+        FedDyn's server step when FedDyn is on."""
         if not trained:
             return None
-        return weighted_average([chain.model for chain in trained], [chain.weight for chain in trained])
+        models = [chain.model for chain in trained]
+        average = weighted_average(models, [chain.weight for chain in trained])
+        assert self._round_start is not None
+        return self._feddyn_step(self._round_start, models, average, len(self.superclients))
+
+    def _feddyn_step(
+        self, previous: ArrayRecord, models: list[ArrayRecord], average: ArrayRecord, num_clients: int
+    ) -> ArrayRecord:
+        """FedDyn's server correction of `average` (unchanged without FedDyn)."""
+        if self.feddyn is None:
+            return average
+        corrected = self.feddyn.step(previous, models, average, num_clients)
+        self.record("feddyn_h_norm", self.feddyn.h_norm)
+        return corrected
 
     def _drop_vanished(self, live: set[int]) -> None:
         """Remove nodes that left the grid from their superclient; drop emptied superclients."""
@@ -435,6 +470,7 @@ class FedSeq(RelayStrategy):
             "client_samples": dict(self.client_samples),
             "exemplars": self._exemplars.copy(),
             "setup_record": self.setup_record,
+            **({"feddyn": self.feddyn.state_dict()} if self.feddyn is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -444,6 +480,8 @@ class FedSeq(RelayStrategy):
         self.client_samples = {int(node): int(n) for node, n in state["client_samples"].items()}
         self._exemplars = np.asarray(state["exemplars"], dtype=np.int64)
         self.setup_record = dict(state["setup_record"])
+        if self.feddyn is not None:
+            self.feddyn.load_state_dict(state["feddyn"])
         self._announce_exemplars()
 
     def _announce_exemplars(self) -> None:
@@ -469,6 +507,7 @@ class FedSeqInter(FedSeq):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._slots: list[ArrayRecord] = []
+        self._slot_start: ArrayRecord | None = None  # FedDyn's θ_prev: the model the slots restarted from
         self.slot_samples: list[float] = []
         self.rounds_since_average = 0
 
@@ -477,6 +516,7 @@ class FedSeqInter(FedSeq):
         super().setup(grid, initial_arrays, train_config)
         count = sample_count(self.fraction_train, len(self.superclients))
         self._slots = [initial_arrays] * count
+        self._slot_start = initial_arrays
         self.slot_samples = [0.0] * count
         self.setup_record["slots"] = count
 
@@ -499,6 +539,9 @@ class FedSeqInter(FedSeq):
         aggregate = self.rounds_since_average >= max(1, len(self.superclients))
         self.record("slots", {"samples": list(self.slot_samples), "aggregated": aggregate})
         if aggregate:
+            assert self._slot_start is not None
+            average = self._feddyn_step(self._slot_start, [self._slots[i] for i in filled], average, len(self._slots))
+            self._slot_start = average
             self._slots = [average] * len(self._slots)
             self.slot_samples = [0.0] * len(self._slots)
             self.rounds_since_average = 0
@@ -511,6 +554,7 @@ class FedSeqInter(FedSeq):
             "slots": [{key: array.numpy() for key, array in slot.items()} for slot in self._slots],
             "slot_samples": list(self.slot_samples),
             "rounds_since_average": self.rounds_since_average,
+            "slot_start": None if self._slot_start is None else {k: a.numpy() for k, a in self._slot_start.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -519,6 +563,8 @@ class FedSeqInter(FedSeq):
         self._slots = [ArrayRecord({key: Array(np.asarray(v)) for key, v in slot.items()}) for slot in state["slots"]]
         self.slot_samples = [float(n) for n in state["slot_samples"]]
         self.rounds_since_average = int(state["rounds_since_average"])
+        start = state.get("slot_start")
+        self._slot_start = None if start is None else ArrayRecord({k: Array(np.asarray(v)) for k, v in start.items()})
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -577,6 +623,7 @@ def build(config: RunConfig, env: ServerEnv) -> FedSeq:
         superclient_epochs=config.fedseq_superclient_epochs,
         fraction_train=config.fraction_train,
         proximal_mu=config.proximal_mu,
+        feddyn=feddyn_from_config(config, env),
         report_label_counts=config.report_label_counts,
         fraction_evaluate=config.fraction_evaluate,
         round_timeout=config.timeout,

@@ -1,0 +1,212 @@
+"""SCAFFOLD (Karimireddy et al. 2020): stochastic controlled averaging with control variates.
+
+The server keeps the global model x and the control variate c (zeros at first, over the model's
+parameters). Each round it sends x under ``"arrays"`` and c under ``"control"`` to a random
+fraction of the nodes; each client corrects every local step by c − c_i, updates its own c_i
+(option II, kept in its ``context.state``; see `concatfl.objectives`) and replies with the model
+delta Δy_i = y_i − x under ``"arrays"`` and Δc_i under ``"control"``. With S the valid replies
+and N the connected nodes:
+
+    x ← x + η_g·(1/|S|)·Σ_{i∈S} Δy_i        c ← c + (1/N)·Σ_{i∈S} Δc_i
+
+Both directions carry two model-sized records, so a round costs about twice FedAvg's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from logging import WARNING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from flwr.supercore import log
+
+from ..objectives import CONTROL_KEY
+from .base import RelayStrategy
+from .common import (
+    ARRAYS_KEY,
+    NUM_EXAMPLES_KEY,
+    HopResult,
+    Miss,
+    Request,
+    live_node_ids,
+    reply_problem,
+    sample_nodes,
+    train_content,
+)
+from .fedavg import sample_count
+from .feddyn import parameter_names
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+    from ..runtime import ServerEnv
+
+State = dict[str, np.ndarray]
+
+
+def scaffold_server_update(
+    model: Mapping[str, np.ndarray],
+    control: Mapping[str, np.ndarray],
+    model_deltas: Sequence[Mapping[str, np.ndarray]],
+    control_deltas: Sequence[Mapping[str, np.ndarray]],
+    server_lr: float,
+    num_clients: int,
+) -> tuple[State, State]:
+    """(x, c) after one round: x + η_g·mean(Δy_i) and c + Σ Δc_i / N, each array keeping its dtype
+    (integer buffers such as BatchNorm's `num_batches_tracked` are rounded)."""
+    new_model = {}
+    for key, value in model.items():
+        step = server_lr * np.mean([delta[key].astype(np.float64) for delta in model_deltas], axis=0)
+        moved = value.astype(np.float64) + step
+        new_model[key] = (np.rint(moved) if np.issubdtype(value.dtype, np.integer) else moved).astype(value.dtype)
+    new_control = {
+        key: (value + sum(delta[key].astype(np.float64) for delta in control_deltas) / num_clients).astype(value.dtype)
+        for key, value in control.items()
+    }
+    return new_model, new_control
+
+
+class Scaffold(RelayStrategy):
+    """SCAFFOLD: FedAvg with server and client control variates that correct client drift.
+
+    Replies are validated like every strategy's (``"arrays"``, the model delta, must match the
+    model's keys, shapes and dtypes and be finite; ``num-examples`` > 0), and ``"control"`` must
+    match c the same way; a reply failing either is a logged miss. The mean of the model deltas
+    is unweighted, as in the paper.
+
+    Parameters
+    ----------
+    fraction_train : float (default: 1.0)
+        Fraction of the connected nodes sampled each round (at least `min_train_nodes`).
+    min_train_nodes : int (default: 1)
+        Lower bound on the nodes sampled per round.
+    server_lr : float (default: 1.0)
+        η_g, the global learning rate (run-config `scaffold-server-lr`).
+    control_keys : Sequence[str] | None (default: None)
+        The arrays that have control variates: the model's parameters (`feddyn.parameter_names`).
+        None: every floating-point array of the initial model.
+    fraction_evaluate, round_timeout, seed
+        See `RelayStrategy`.
+    """
+
+    # pylint: disable=too-many-arguments
+    def __init__(
+        self,
+        fraction_train: float = 1.0,
+        min_train_nodes: int = 1,
+        server_lr: float = 1.0,
+        control_keys: Sequence[str] | None = None,
+        fraction_evaluate: float = 0.0,
+        round_timeout: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(fraction_evaluate=fraction_evaluate, round_timeout=round_timeout, seed=seed)
+        if not 0.0 < fraction_train <= 1.0:
+            raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
+        if not server_lr > 0:
+            raise ValueError(f"server_lr must be > 0, got {server_lr}")
+        self.fraction_train = fraction_train
+        self.min_train_nodes = min_train_nodes
+        self.server_lr = server_lr
+        self.control_keys = None if control_keys is None else list(control_keys)
+        self.control: ArrayRecord | None = None  # c, created from the first model sent
+        self._sent: ArrayRecord | None = None
+        self._num_nodes = 0
+
+    def train_requests(
+        self, server_round: int, hop: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Request]:
+        """Hop 0: x and c to a fresh random sample of nodes."""
+        if hop > 0:
+            return []
+        if self.control is None:
+            self.control = _zeros(arrays, self.control_keys)
+        nodes = live_node_ids(grid)
+        chosen = sample_nodes(self.rng, nodes, sample_count(self.fraction_train, len(nodes), self.min_train_nodes))
+        self._sent, self._num_nodes = arrays, len(nodes)
+        self.record("selected", sorted(chosen))
+        settings: dict[str, Any] = {
+            **dict(config),
+            "server-round": server_round,
+            "proximal-mu": 0.0,
+            "local-objective": "sgd",
+        }
+        requests = []
+        for node in chosen:
+            content = train_content(arrays, settings)
+            content[CONTROL_KEY] = self.control
+            requests.append(Request(node, content))
+        return requests
+
+    def aggregate_hop(
+        self, server_round: int, hop: HopResult
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Drop replies with an unusable control variate, then update x and c."""
+        assert self.control is not None and self._sent is not None
+        for reply in list(hop.replies):
+            problem = control_problem(reply.content, self.control)
+            if problem is not None:
+                hop.replies.remove(reply)
+                hop.misses.append(Miss(reply.request, f"rejected: {problem}"))
+                log(WARNING, "Node %s left out: %s", reply.node_id, problem)
+        if not hop.replies:
+            return None, None
+        model, control = scaffold_server_update(
+            _numpy(self._sent),
+            _numpy(self.control),
+            [_numpy(reply.arrays) for reply in hop.replies],
+            [_numpy(reply.content.array_records[CONTROL_KEY]) for reply in hop.replies],
+            self.server_lr,
+            self._num_nodes,
+        )
+        self.control = _record(control)
+        metrics = aggregate_metricrecords([reply.content for reply in hop.replies], NUM_EXAMPLES_KEY)
+        return _record(model), metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """Base state plus c."""
+        return {**super().state_dict(), "control": None if self.control is None else _numpy(self.control)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        super().load_state_dict(state)
+        self.control = None if state["control"] is None else _record(state["control"])
+
+
+def control_problem(content: RecordDict, control: ArrayRecord) -> str | None:
+    """Why a reply's ``"control"`` (Δc_i) is unusable (missing, keys/shapes/dtypes unlike c, NaN/Inf), or None."""
+    delta = content.array_records.get(CONTROL_KEY)
+    if delta is None:
+        return f"no ArrayRecord under '{CONTROL_KEY}' (SCAFFOLD's Δc_i)"
+    # The shared validation, applied to the control variate instead of the model.
+    problem = reply_problem(RecordDict({ARRAYS_KEY: delta}), control, require_num_examples=False)
+    return None if problem is None else f"control variate: {problem}"
+
+
+def _zeros(arrays: ArrayRecord, keys: Sequence[str] | None) -> ArrayRecord:
+    model = _numpy(arrays)
+    chosen = keys if keys is not None else [k for k, v in model.items() if np.issubdtype(v.dtype, np.floating)]
+    return _record({key: np.zeros_like(model[key]) for key in chosen})
+
+
+def _numpy(arrays: ArrayRecord) -> State:
+    return {key: array.numpy() for key, array in arrays.items()}
+
+
+def _record(values: Mapping[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in values.items()})
+
+
+def build(config: RunConfig, env: ServerEnv) -> Scaffold:
+    """SCAFFOLD from the run config, with control variates over the model's parameters."""
+    return Scaffold(
+        fraction_train=config.fraction_train,
+        server_lr=config.scaffold_server_lr,
+        control_keys=parameter_names(env.make_model),
+        fraction_evaluate=config.fraction_evaluate,
+        round_timeout=config.timeout,
+        seed=config.seed,
+    )
