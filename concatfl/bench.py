@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .launch import run_simulation
+from .launch import exit_on_sigterm, run_simulation
 from .metrics import METRICS_FILE, read_metrics
 
 
@@ -230,6 +230,7 @@ def _slug(label: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: run one suite over the given seeds and print its table."""
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("--seeds", default="0,1,2")

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import tempfile
 import time
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +71,79 @@ def flower_env(flwr_home: Path, ray_tmpdir: Path) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class Certificates:
+    """The files `scripts/make-certs.sh` writes into `directory` (paths as the processes see them:
+    a host directory natively, `/certs` inside the docker-compose containers)."""
+
+    directory: Path
+
+    @property
+    def ca_cert(self) -> Path:
+        """The CA certificate every SuperNode and the `flwr` CLI trust."""
+        return self.directory / "ca.crt"
+
+    @property
+    def superlink_cert(self) -> Path:
+        """The SuperLink's server certificate (SANs: 127.0.0.1, localhost, 10.200.0.1, superlink)."""
+        return self.directory / "superlink.crt"
+
+    @property
+    def superlink_key(self) -> Path:
+        """The SuperLink's TLS private key."""
+        return self.directory / "superlink.key"
+
+    def supernode_key(self, index: int) -> Path:
+        """Authentication private key (OpenSSH, ECDSA P-384) of SuperNode `index`."""
+        return self.directory / f"supernode-{index}"
+
+    def supernode_public_key(self, index: int) -> Path:
+        """Public key of SuperNode `index`, to register with `flwr supernode register`."""
+        return self.directory / f"supernode-{index}.pub"
+
+
+def superlink_security(certificates: Certificates | None, *, supernode_auth: bool = False) -> tuple[str, ...]:
+    """SuperLink flags for TLS (None: `--insecure`) and CLI-managed SuperNode authentication
+    (only registered public keys may connect; Flower requires TLS for it)."""
+    if certificates is None:
+        if supernode_auth:
+            raise ValueError("SuperNode authentication needs TLS certificates")
+        return ("--insecure",)
+    tls = (
+        f"--ssl-ca-certfile={certificates.ca_cert}",
+        f"--ssl-certfile={certificates.superlink_cert}",
+        f"--ssl-keyfile={certificates.superlink_key}",
+    )
+    return tls + (("--enable-supernode-auth",) if supernode_auth else ())
+
+
+def supernode_security(
+    ca_cert: str | os.PathLike | None, private_key: str | os.PathLike | None = None
+) -> tuple[str, ...]:
+    """SuperNode flags: trust `ca_cert` for TLS (None: `--insecure`) and authenticate with
+    `private_key` (an OpenSSH EC private key whose public key the SuperLink has registered)."""
+    if ca_cert is None:
+        if private_key is not None:
+            raise ValueError("SuperNode authentication needs TLS (a CA certificate)")
+        return ("--insecure",)
+    flags: tuple[str, ...] = (f"--root-certificates={ca_cert}",)
+    return flags + ((f"--auth-supernode-private-key={private_key}",) if private_key is not None else ())
+
+
 def superlink_command(
-    host: str, port: int, database: str | os.PathLike, *, simulation: bool, security: tuple[str, ...] = ("--insecure",)
+    host: str,
+    port: int,
+    database: str | os.PathLike,
+    *,
+    simulation: bool,
+    security: tuple[str, ...] = ("--insecure",),
+    health_address: str | None = None,
 ) -> list[str]:
-    """How concatfl starts a SuperLink (natively, in tests and in docker-compose.yml)."""
+    """How concatfl starts a SuperLink (natively, in tests and in docker-compose.yml).
+
+    `security` comes from `superlink_security`; `health_address` (host:port) starts Flower's
+    plain-gRPC health service there (docker-compose's healthcheck probes it).
+    """
     command = [
         "flower-superlink",
         *security,
@@ -81,31 +152,68 @@ def superlink_command(
         f"--database={database}",
         "--disable-runtime-dependency-installation",
     ]
+    if health_address is not None:
+        command.append(f"--health-server-address={health_address}")
     return command + (["--simulation", "--isolation=subprocess"] if simulation else [])
 
 
 def supernode_command(
-    superlink: str, port: int, partition_id: int, num_partitions: int, *, security: tuple[str, ...] = ("--insecure",)
+    superlink: str,
+    port: int,
+    partition_id: int,
+    num_partitions: int,
+    *,
+    security: tuple[str, ...] = ("--insecure",),
+    health_address: str | None = None,
+    node_config: str = "",
 ) -> list[str]:
-    """How concatfl starts a SuperNode holding partition `partition_id` of `num_partitions`."""
-    return [
+    """How concatfl starts a SuperNode holding partition `partition_id` of `num_partitions`.
+
+    `port` is the SuperNode's own Runtime API port (one per SuperNode on a host); `security`
+    comes from `supernode_security`; `node_config` adds `key=value` pairs for the ClientApp.
+    """
+    command = [
         "flower-supernode",
         *security,
         f"--superlink={superlink}",
         f"--port={port}",
-        f"--node-config=partition-id={partition_id} num-partitions={num_partitions}",
+        f"--node-config=partition-id={partition_id} num-partitions={num_partitions}"
+        + (f" {node_config}" if node_config else ""),
     ]
+    if health_address is not None:
+        command.append(f"--health-server-address={health_address}")
+    return command
+
+
+def in_namespace(command: list[str], netns: str | None) -> list[str]:
+    """`command` run inside network namespace `netns` (`ip netns exec` keeps the PID)."""
+    return ["ip", "netns", "exec", netns, *command] if netns else command
 
 
 class FlowerSession:
     """A private SuperLink and the `flwr` CLI pointed at it; stops all it started on exit.
 
-    `simulation=True` gives a simulation SuperLink (SuperNodes are simulated by Ray);
-    otherwise real SuperNodes connect to `address` (see `start_supernode`). `superlink_args`
-    adds flags (TLS, authentication, …); `insecure=False` expects them to configure TLS and
-    `root_certificates` to be the CA the CLI trusts.
+    Parameters
+    ----------
+    workdir : path
+        Where the session's FLWR_HOME, SuperLink database and process logs go.
+    simulation : bool
+        True: a simulation SuperLink (Ray simulates the SuperNodes). False: real SuperNodes
+        connect to `address` (see `start_supernode`).
+    host : str (default: "127.0.0.1")
+        Address the SuperLink listens on and everyone connects to.
+    superlink_args : tuple[str, ...] (default: ("--insecure",))
+        Security flags of the SuperLink (`superlink_security`: TLS, SuperNode authentication).
+    root_certificates : path | None (default: None)
+        CA certificate the `flwr` CLI trusts; None talks to an `--insecure` SuperLink.
+    superlink_netns, cli_netns : str | None (default: None)
+        Network namespaces the SuperLink and the `flwr` CLI run in (multi-host tests); None is
+        the caller's own.
+    env : Mapping[str, str] | None (default: None)
+        Extra environment for every process (e.g. FLWR_SUPEREXEC_TASK_POLL_INTERVAL).
     """
 
+    # pylint: disable=too-many-arguments
     def __init__(
         self,
         workdir: str | os.PathLike,
@@ -113,15 +221,20 @@ class FlowerSession:
         simulation: bool,
         host: str = "127.0.0.1",
         superlink_args: tuple[str, ...] = ("--insecure",),
-        root_certificates: str | None = None,
+        root_certificates: str | os.PathLike | None = None,
+        superlink_netns: str | None = None,
+        cli_netns: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.workdir = Path(workdir).resolve()
         self.flwr_home = self.workdir / "flwr-home"
         self.flwr_home.mkdir(parents=True, exist_ok=True)
         self.ray_tmpdir = Path(tempfile.mkdtemp(prefix="cfl-ray-", dir="/tmp"))
-        self.env = flower_env(self.flwr_home, self.ray_tmpdir)
+        self.env = {**flower_env(self.flwr_home, self.ray_tmpdir), **(env or {})}
         self.simulation = simulation
         self.host = host
+        self.superlink_netns = superlink_netns
+        self.cli_netns = cli_netns
         self.port = free_port()
         self.superlink_args = superlink_args
         self.processes: list[subprocess.Popen[bytes]] = []
@@ -140,8 +253,12 @@ class FlowerSession:
         command = superlink_command(
             self.host, self.port, self.flwr_home / "state.db", simulation=self.simulation, security=self.superlink_args
         )
-        superlink = self.spawn(command, "superlink.log")
-        _wait_for_port(self.host, self.port, superlink, self.workdir / "superlink.log")
+        superlink = self.spawn(command, "superlink.log", netns=self.superlink_netns)
+        try:
+            _wait_for_port(self.host, self.port, superlink, self.workdir / "superlink.log", self.superlink_netns)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -149,10 +266,10 @@ class FlowerSession:
             stop_process_tree(process)
         shutil.rmtree(self.ray_tmpdir, ignore_errors=True)
 
-    def spawn(self, command: list[str], log_name: str) -> subprocess.Popen[bytes]:
-        """Start a process (logging to `workdir/log_name`) that the session will stop."""
+    def spawn(self, command: list[str], log_name: str, netns: str | None = None) -> subprocess.Popen[bytes]:
+        """Start a process (in `netns`, logging to `workdir/log_name`) that the session will stop."""
         process = subprocess.Popen(
-            command,
+            in_namespace(command, netns),
             env=self.env,
             stdout=(self.workdir / log_name).open("ab"),
             stderr=subprocess.STDOUT,
@@ -161,16 +278,43 @@ class FlowerSession:
         self.processes.append(process)
         return process
 
-    def start_supernode(self, partition_id: int, num_partitions: int, *extra: str) -> subprocess.Popen[bytes]:
-        """A real SuperNode holding partition `partition_id` of `num_partitions`."""
+    # pylint: disable=too-many-arguments
+    def start_supernode(
+        self,
+        partition_id: int,
+        num_partitions: int,
+        *,
+        security: tuple[str, ...] = ("--insecure",),
+        netns: str | None = None,
+        node_config: str = "",
+        log_name: str | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """A real SuperNode holding partition `partition_id` of `num_partitions`.
+
+        `security` comes from `supernode_security`; the SuperNode runs in `netns` when given
+        and logs to `log_name` (default `supernode-<partition_id>.log`, appended to on restart).
+        """
         command = supernode_command(
-            self.address, free_port(), partition_id, num_partitions, security=extra or ("--insecure",)
+            self.address, free_port(), partition_id, num_partitions, security=security, node_config=node_config
         )
-        return self.spawn(command, f"supernode-{partition_id}.log")
+        return self.spawn(command, log_name or f"supernode-{partition_id}.log", netns=netns)
+
+    def register_supernode(self, public_key: str | os.PathLike) -> int:
+        """Register a SuperNode's public key (SuperNode authentication); returns its node id."""
+        registered = json.loads(self.flwr(["supernode", "register", str(public_key), CONNECTION, "--format", "json"]))
+        if not registered.get("success"):  # the CLI exits 0 even when it failed
+            raise SimulationError(f"registering {public_key} failed: {registered.get('error-message')}")
+        return int(registered["node-id"])
+
+    def supernodes(self) -> list[dict[str, Any]]:
+        """The SuperLink's node list (`flwr supernode ls`): one dict per node, with its status."""
+        return list(json.loads(self.flwr(["supernode", "ls", CONNECTION, "--format", "json"]))["nodes"])
 
     def flwr(self, args: list[str], timeout: float = 120) -> str:
         """Run the `flwr` CLI against this SuperLink; fail with its output on error."""
-        done = subprocess.run(["flwr", *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            in_namespace(["flwr", *args], self.cli_netns), env=self.env, capture_output=True, text=True, timeout=timeout
+        )
         if done.returncode != 0:
             raise SimulationError(f"`flwr {' '.join(args)}` failed:\n{done.stdout}\n{done.stderr}")
         return done.stdout
@@ -197,7 +341,11 @@ class FlowerSession:
     def wait(self, run_id: str, *, stream: bool = False, timeout: float = 1800) -> None:
         """Wait for the run to finish (printing its log when `stream`); require completed."""
         follower = (
-            subprocess.Popen(["flwr", "log", run_id, CONNECTION, "--stream"], env=self.env, start_new_session=True)
+            subprocess.Popen(
+                in_namespace(["flwr", "log", run_id, CONNECTION, "--stream"], self.cli_netns),
+                env=self.env,
+                start_new_session=True,
+            )
             if stream
             else None
         )
@@ -268,16 +416,26 @@ def run_simulation(
     return read_metrics(overrides["output-dir"])
 
 
-def _wait_for_port(host: str, port: int, process: subprocess.Popen[bytes], log_file: Path, limit: float = 60) -> None:
+def _wait_for_port(
+    host: str, port: int, process: subprocess.Popen[bytes], log_file: Path, netns: str | None, limit: float = 60
+) -> None:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SimulationError(f"flower-superlink exited early:\n{log_file.read_text()[-3000:]}")
-        with socket.socket() as sock:
-            if sock.connect_ex((host, port)) == 0:
-                return
+        if _port_open(host, port, netns):
+            return
         time.sleep(0.2)
     raise SimulationError(f"flower-superlink did not listen on {host}:{port} within {limit} s")
+
+
+def _port_open(host: str, port: int, netns: str | None) -> bool:
+    """Whether something listens on host:port, seen from inside `netns` when given."""
+    if netns is None:
+        with socket.socket() as sock:
+            return sock.connect_ex((host, port)) == 0
+    probe = f"import socket,sys; sys.exit(socket.socket().connect_ex(({host!r}, {port})))"
+    return subprocess.run(in_namespace([sys.executable, "-c", probe], netns), check=False).returncode == 0
 
 
 def parse_overrides(text: str) -> dict[str, Any]:
@@ -289,8 +447,14 @@ def parse_overrides(text: str) -> dict[str, Any]:
     return values
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so FlowerSession stops the SuperLink it started."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: run one simulation, stream its log, print where metrics.json is."""
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-supernodes", type=int, default=10)
     parser.add_argument("--run-config", default="", help="overrides, e.g. \"num-server-rounds=5 lr=0.1\"")

@@ -277,3 +277,18 @@ def test_live_node_ids_sorted_exact_ints():
 def test_empty_hop_record():
     assert HopResult().as_record() == {"sent": 0, "replies": 0, "misses": [], "bytes_sent": 0,
                                        "bytes_received": 0, "seconds": 0.0}
+
+
+def test_superlink_error_reply_is_filed_under_the_node_it_was_sent_to():
+    """A node that went away is answered by the SuperLink itself (source node 0): the miss
+    must name the node and carry the error, matched through the id of the message it answers."""
+    requests = [Request(node, train_content(_arrays(), {})) for node in BIG_IDS[:2]]
+    messages = to_messages(requests)
+    for message in messages:  # what Flower's grid does on push
+        message.metadata.__dict__["_message_id"] = message.object_id
+    unavailable = Message(Error(code=0, reason="Node Unavailable"), reply_to=messages[1])
+    unavailable.metadata.__dict__["_src_node_id"] = 0
+    hop = collect(requests, [unavailable], messages)
+    reasons = {miss.request.node_id: miss.reason for miss in hop.misses}
+    assert reasons[BIG_IDS[1]] == "error reply: Node Unavailable"
+    assert reasons[BIG_IDS[0]] == "no reply before the round timeout"

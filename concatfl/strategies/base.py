@@ -74,6 +74,7 @@ class RelayStrategy(Strategy):
         self.setup_record: dict[str, Any] = {}
         self._round_extras: dict[str, Any] = {}
         self._pending: list[Request] = []
+        self._pending_messages: list[Message] = []
         self._hop_position: tuple[int, int] = (0, 0)
 
     # ------------------------------------------------------------------ subclass hooks
@@ -139,13 +140,14 @@ class RelayStrategy(Strategy):
         hop = last_hop if last_round == server_round else 0
         self._pending = self.train_requests(server_round, hop, arrays, config, grid)
         self._hop_position = (server_round, hop + 1)
-        return to_messages(self._pending)
+        self._pending_messages = to_messages(self._pending)
+        return self._pending_messages
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate the replies to the last `configure_train` and aggregate them."""
-        return self.aggregate_hop(server_round, collect(self._pending, replies))
+        return self.aggregate_hop(server_round, collect(self._pending, replies, self._pending_messages))
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

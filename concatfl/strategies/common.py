@@ -165,19 +165,27 @@ def to_messages(requests: Sequence[Request]) -> list[Message]:
     ]
 
 
-def collect(requests: Sequence[Request], replies: Iterable[Message]) -> HopResult:
-    """Match replies to requests by node, validate them, and turn the rest into misses."""
+def collect(
+    requests: Sequence[Request], replies: Iterable[Message], messages: Sequence[Message] = ()
+) -> HopResult:
+    """Match replies to requests, validate them, and turn the rest into misses.
+
+    A reply is matched by the id of the message it answers (Flower sets it on push) and else
+    by its source node: when a node goes away the SuperLink itself answers with a "node
+    unavailable" error whose source is the SuperLink, so the source alone would misfile it.
+    `messages` are the sent messages, in the order of `requests`.
+    """
     hop = HopResult()
     by_node = {request.node_id: request for request in requests}
+    by_message = {m.metadata.message_id: r for m, r in zip(messages, requests) if m.metadata.message_id}
     answered: set[int] = set()
     for reply in replies:
         hop.bytes_received += message_bytes(reply)
-        node_id = reply.metadata.src_node_id
-        request = by_node.get(node_id)
-        if request is None or node_id in answered:
-            log(WARNING, "Ignoring an unexpected reply from node %s", node_id)
+        request = by_message.get(reply.metadata.reply_to_message_id) or by_node.get(reply.metadata.src_node_id)
+        if request is None or request.node_id in answered:
+            log(WARNING, "Ignoring an unexpected reply from node %s", reply.metadata.src_node_id)
             continue
-        answered.add(node_id)
+        answered.add(request.node_id)
         if reply.has_error():
             hop.misses.append(Miss(request, f"error reply: {reply.error.reason}"))
             continue
@@ -213,7 +221,7 @@ def relay(grid: Grid, requests: Sequence[Request], timeout: float | None) -> Hop
     started = time.perf_counter()
     replies = list(grid.send_and_receive(messages, timeout=timeout))
     seconds = time.perf_counter() - started
-    hop = collect(requests, replies)
+    hop = collect(requests, replies, messages)
     hop.bytes_sent, hop.seconds = bytes_sent, seconds
     return hop
 
