@@ -1,0 +1,96 @@
+"""Command line: run one suite over the given seeds, write and print its table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ..data.datasets import DATASETS
+from ..launch import exit_on_sigterm
+from .runner import BenchError, cell_config, run_suite, select_cells, simulate_with_flower
+from .suites import BLUEPRINTS, SCALES, SUITE_NAMES, Suite, get_suite
+
+
+def parse_data_dirs(values: list[str]) -> dict[str, Path]:
+    """`--data-dir DIR` (every dataset) and `--data-dir DATASET=DIR` → {dataset or "*": folder}."""
+    folders = {}
+    for value in values:
+        dataset, sep, folder = value.partition("=")
+        if sep and dataset in DATASETS:
+            folders[dataset] = Path(folder)
+        else:
+            folders["*"] = Path(value)
+    return folders
+
+
+def dry_run(suite: Suite, seeds: list[int], methods: list[str], settings: list[str]) -> None:
+    """Print the suite's notes and every run it would make, without running or touching data."""
+    cells = select_cells(suite, methods, settings)
+    runs = len(cells) * len(seeds)
+    print(f"{suite.name} (scale {suite.scale}): {len(cells)} cells × {len(seeds)} seed(s) = {runs} runs")
+    for note in suite.notes:
+        print(f"- {note}")
+    for cell in cells:
+        config = cell_config(cell, seeds[0], {})
+        if cell.dataset != "digits":
+            config["data-dir"] = "<from --data-dir>"
+        settings_text = " ".join(f"{k}={v!r}" for k, v in config.items() if k != "seed")
+        print(f"{cell.setting.label or suite.name} · {cell.method}: {cell.num_supernodes} clients; {settings_text}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, run (or list) the suite, print its table."""
+    exit_on_sigterm()
+    parser = argparse.ArgumentParser(prog="python -m concatfl.bench", description=__doc__)
+    parser.add_argument("suite", choices=SUITE_NAMES)
+    parser.add_argument(
+        "--scale", choices=SCALES, help=f"for {', '.join(BLUEPRINTS)} (default smoke); the digits suites have one"
+    )
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated (default 0,1,2)")
+    parser.add_argument("--out", default="results", help="results folder (default results)")
+    parser.add_argument(
+        "--data-dir", action="append", default=[], metavar="[DATASET=]DIR",
+        help="folder of the real datasets, or of one dataset (repeatable); made absolute for the runs",
+    )
+    parser.add_argument(
+        "--method", action="append", default=[], help="run only this method (label or folder name; repeatable)"
+    )
+    parser.add_argument(
+        "--setting", action="append", default=[], help="run only this setting (name or label; repeatable)"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and the scale's changes, run nothing")
+    parser.add_argument("--cell-timeout", type=float, default=6 * 3600, help="seconds one run may take (default 6 h)")
+    parser.add_argument("--cpus-per-client", type=int, default=1)
+    parser.add_argument("--gpus-per-client", type=float, default=0.0, help="GPU share of each simulated client")
+    args = parser.parse_args(argv)
+    try:
+        suite = get_suite(args.suite, args.scale)
+    except ValueError as error:
+        parser.error(str(error))
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+    started = time.perf_counter()
+    try:
+        if args.dry_run:
+            dry_run(suite, seeds, args.method, args.setting)
+            return 0
+        path = run_suite(
+            suite,
+            seeds,
+            Path(args.out),
+            data_dirs=parse_data_dirs(args.data_dir),
+            methods=args.method,
+            settings=args.setting,
+            simulate=simulate_with_flower(args.cell_timeout, args.cpus_per_client, args.gpus_per_client),
+        )
+    except BenchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(path.read_text())
+    print(f"suite wall time: {time.perf_counter() - started:.0f} s; table: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

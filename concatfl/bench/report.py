@@ -1,0 +1,274 @@
+"""A suite's table (markdown and CSV) and plots, built only from its runs' metrics.json files.
+
+Every figure is the mean ± sample standard deviation over the seeds that finished; a cell where
+fewer seeds contributed than were asked for shows "(k/n)". Layout: a one-setting suite is one
+table, methods × columns; a suite with several settings (the papers' tables) gets one table per
+column, methods × settings, with the paper's figure next to each setting's accuracy.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from ..metrics import METRICS_FILE, read_metrics
+from .columns import Column, Metrics, best_accuracy, curve, rounds_to
+from .data import describe
+from .suites import Setting, Suite
+
+TABLE_MD = "table.md"
+TABLE_CSV = "table.csv"
+PLOTS_DIR = "plots"
+MISSING = "–"
+
+Runs = dict[tuple[str, str], list[Metrics]]  # (setting name, method) → the finished runs' metrics
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A cell's figure over seeds: mean, sample standard deviation, how many seeds had it."""
+
+    mean: float
+    std: float
+    n: int
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(values: Iterable[float | None]) -> Summary | None:
+    """Mean ± std of the values that exist (None: no run had the figure)."""
+    present = [value for value in values if value is not None]
+    return Summary(*mean_std(present), len(present)) if present else None
+
+
+def load_runs(suite: Suite, seeds: Sequence[int], suite_dir: Path) -> Runs:
+    """The metrics of every finished (cell, seed); unfinished seeds are left out."""
+    runs: Runs = {}
+    for cell in suite.cells:
+        outputs = [cell.workdir(suite_dir, seed) / "output" for seed in seeds]
+        runs[(cell.setting.name, cell.method)] = [read_metrics(o) for o in outputs if (o / METRICS_FILE).exists()]
+    return runs
+
+
+def reference_accuracy(runs: Runs, setting: Setting) -> float | None:
+    """The best accuracy any finished run of `setting` reached (any method, seed and round).
+
+    The reference for the rounds-to-target columns when no centralized run exists.
+    """
+    reached = [best_accuracy(m) for (name, _), metrics in runs.items() if name == setting.name for m in metrics]
+    return max(reached) if reached else None
+
+
+def columns_for(suite: Suite, runs: Runs, setting: Setting) -> list[Column]:
+    """The suite's columns, plus its rounds-to-target columns measured against this setting's reference."""
+    reference = reference_accuracy(runs, setting)
+    targets = [
+        Column(f"rounds to {t:.0%} of reference", _none if reference is None else rounds_to(t * reference), 1)
+        for t in suite.targets
+    ]
+    return [*suite.columns, *targets]
+
+
+def _none(_: Metrics) -> None:
+    return None
+
+
+def summaries(suite: Suite, runs: Runs) -> dict[tuple[str, str, str], Summary | None]:
+    """(setting name, method, column title) → that cell's summary over seeds."""
+    table = {}
+    for setting in suite.settings:
+        for column in columns_for(suite, runs, setting):
+            for method in suite.methods:
+                metrics = runs.get((setting.name, method), [])
+                table[(setting.name, method, column.title)] = summarize(column.extract(m) for m in metrics)
+    return table
+
+
+def format_summary(summary: Summary | None, seeds: int, decimals: int | None = None) -> str:
+    """The cell's text: mean ± std, then "(k/n)" when only k of the n seeds contributed; "–" if none did.
+
+    `decimals` None picks them by magnitude: 4 below 10, 1 below 10,000, else none.
+    """
+    if summary is None:
+        return MISSING
+    mean, std = summary.mean, summary.std
+    if decimals is None:
+        decimals = 4 if abs(mean) < 10 else 1 if abs(mean) < 1e4 else 0
+    grouping = "," if abs(mean) >= 1e4 else ""
+    text = f"{mean:{grouping}.{decimals}f} ± {std:{grouping}.{decimals}f}"
+    return text if summary.n == seeds else f"{text} ({summary.n}/{seeds})"
+
+
+def _paper(suite: Suite, method: str, setting: Setting) -> float | None:
+    return suite.paper.get((method, setting.name)) if suite.paper is not None else None
+
+
+def render_markdown(suite: Suite, seeds: Sequence[int], runs: Runs) -> str:
+    """The suite's table.md: header (scale, scale-downs, choices, data, paper), then the tables."""
+    cells = summaries(suite, runs)
+    settings = suite.settings
+    columns = columns_for(suite, runs, settings[0])  # titles and formats are the same in every setting
+    titles = [column.title for column in columns]
+    lines = _header(suite, seeds, runs)
+    if len(settings) == 1:
+        setting = settings[0]
+        head = titles[:1] + (["paper"] if suite.paper is not None else []) + titles[1:]
+        lines += _table_head(["method", *head])
+        for method in suite.methods:
+            row = [format_summary(cells[(setting.name, method, c.title)], len(seeds), c.decimals) for c in columns]
+            if suite.paper is not None:
+                row.insert(1, _format_paper(_paper(suite, method, setting)))
+            lines.append(_row([method, *row]))
+        return "\n".join(lines) + "\n"
+    for index, column in enumerate(columns):
+        with_paper = index == 0 and suite.paper is not None
+        head = [item for s in settings for item in ([s.label, "paper"] if with_paper else [s.label])]
+        lines += [f"### {column.title}", "", *_table_head(["method", *head])]
+        for method in suite.methods:
+            row = [method]
+            for setting in settings:
+                row.append(format_summary(cells[(setting.name, method, column.title)], len(seeds), column.decimals))
+                if with_paper:
+                    row.append(_format_paper(_paper(suite, method, setting)))
+            lines.append(_row(row))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _header(suite: Suite, seeds: Sequence[int], runs: Runs) -> list[str]:
+    if suite.scale == "digits":  # the digits suites keep their earlier one-line header
+        return [f"## {suite.name}", "", f"{suite.description}; {len(seeds)} seeds, mean ± std.", ""]
+    notes = list(suite.notes)
+    data = dict.fromkeys(
+        note
+        for metrics in runs.values()
+        for m in metrics
+        if (note := describe(m["run_config"]["dataset"], m["run_config"]["data-dir"])) is not None
+    )
+    notes += [f"Data: {note}." for note in data]
+    if suite.paper is not None:
+        known = any(value is not None for value in suite.paper.values())
+        notes.append(
+            f"Paper column: the paper's figure (final accuracy, %, at the paper's scale); {MISSING} where unknown."
+            if known
+            else f"Paper column: the papers' figures were not available to the harness, so every one shows "
+            f"{MISSING} (known figures go into PAPER in concatfl/bench/suites.py)."
+        )
+    if suite.targets:
+        references = [(s.label, reference_accuracy(runs, s)) for s in suite.settings]
+        notes.append(
+            "Rounds to reach a share of the reference accuracy: no centralized run was made, so the "
+            "reference is the best accuracy any run of the setting reached (any method, seed, round): "
+            + "; ".join(f"{label} {MISSING if ref is None else f'{100 * ref:.1f} %'}" for label, ref in references)
+            + ". Mean over the seeds that reached it."
+        )
+    return [
+        f"## {suite.name} — scale `{suite.scale}`",
+        "",
+        f"{suite.description}.",
+        "",
+        f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''} ({', '.join(map(str, seeds))}): mean ± sample std "
+        f"over seeds; \"(k/n)\": only k of the n seeds finished (or reached the target); {MISSING}: no figure.",
+        "",
+        *[f"- {note}" for note in notes],
+        "",
+    ]
+
+
+def _table_head(head: list[str]) -> list[str]:
+    return [_row(head), "|---" * len(head) + "|"]
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _format_paper(value: float | None) -> str:
+    return MISSING if value is None else f"{value:.1f}"
+
+
+def write_csv(suite: Suite, seeds: Sequence[int], runs: Runs, path: Path) -> None:
+    """table.csv: one row per method; per setting, each column's mean, std and seed count (and
+    the paper's figure after the accuracy). Empty fields: no figure."""
+    cells = summaries(suite, runs)
+    titles = [column.title for column in columns_for(suite, runs, suite.settings[0])]
+    header, keys = ["method"], []
+    for setting in suite.settings:
+        prefix = f"{setting.label} | " if setting.label else ""
+        for index, title in enumerate(titles):
+            header += [f"{prefix}{title} mean", f"{prefix}{title} std", f"{prefix}{title} n"]
+            keys.append((setting, title))
+            if index == 0 and suite.paper is not None:
+                header.append(f"{prefix}paper")
+                keys.append((setting, None))
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        for method in suite.methods:
+            row = [method]
+            for setting, title in keys:
+                if title is None:
+                    row.append(_number(_paper(suite, method, setting)))
+                    continue
+                summary = cells[(setting.name, method, title)]
+                row += [_number(summary.mean), _number(summary.std), str(summary.n)] if summary else ["", "", "0"]
+            writer.writerow(row)
+
+
+def _number(value: float | None) -> str:
+    return "" if value is None else f"{value:.10g}"
+
+
+def mean_curve(metrics: Sequence[Metrics]) -> list[tuple[int, float, float]]:
+    """(round, MB, accuracy) averaged over runs, at the rounds every run evaluated."""
+    curves = [{r: (mb, acc) for r, mb, acc in curve(m)} for m in metrics]
+    common = sorted(set.intersection(*(set(c) for c in curves)))
+    return [
+        (r, statistics.fmean(c[r][0] for c in curves), statistics.fmean(c[r][1] for c in curves)) for r in common
+    ]
+
+
+def plot_curves(suite: Suite, runs: Runs, directory: Path) -> list[Path]:
+    """Per setting: accuracy vs round and accuracy vs measured MB, one line per method (mean over seeds)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for setting in suite.settings:
+        lines = {m: mean_curve(runs[(setting.name, m)]) for m in suite.methods if runs.get((setting.name, m))}
+        if not lines:
+            continue
+        suffix = f"-{setting.name}" if setting.name else ""
+        title = f"{suite.name} ({suite.scale})" + (f", {setting.label}" if setting.label else "")
+        views = ((0, "round", "accuracy-vs-round"), (1, "measured MB (down+up, cumulative)", "accuracy-vs-mb"))
+        for x_index, x_label, stem in views:
+            figure = Figure(figsize=(7, 4.5), layout="constrained")
+            FigureCanvasAgg(figure)  # Agg, without pyplot's global state
+            axes = figure.add_subplot()
+            for method, points in lines.items():
+                axes.plot([p[x_index] for p in points], [100 * p[2] for p in points], marker=".", label=method)
+            axes.set(xlabel=x_label, ylabel="accuracy (%)", title=title)
+            axes.grid(alpha=0.3)
+            axes.legend(fontsize="small")
+            path = directory / f"{stem}{suffix}.png"
+            figure.savefig(path, dpi=110)
+            written.append(path)
+    return written
+
+
+def write_report(suite: Suite, seeds: Sequence[int], suite_dir: Path) -> Path:
+    """Write table.md, table.csv and the plots of every finished cell; return table.md's path."""
+    runs = load_runs(suite, seeds, suite_dir)
+    suite_dir.mkdir(parents=True, exist_ok=True)
+    table = suite_dir / TABLE_MD
+    table.write_text(render_markdown(suite, seeds, runs))
+    write_csv(suite, seeds, runs, suite_dir / TABLE_CSV)
+    plot_curves(suite, runs, suite_dir / PLOTS_DIR)
+    return table

@@ -1,0 +1,569 @@
+"""The benchmark suites: which runs make up each table, at which scale, and what was scaled down.
+
+A suite is a list of cells, one per (setting, method); a setting is a column group of the
+paper's table (dataset × partition), a method a row. Each cell is one run config (without the
+seed) and a number of simulated clients.
+
+* `fedcat`, `fedconcat`, `fedseq` follow the three papers' settings and come in three scales:
+  `paper` (the papers' settings, meant for a GPU), `small` (a stratified subsample of the real
+  data, fewer clients, rounds and epochs; sized for about an hour per seed on 2 CPU cores) and
+  `smoke` (scikit-learn's digits, a few rounds; minutes). Each scale is a table of named knobs;
+  every knob that differs from the paper scale is listed in the table's header, from → to.
+* `fedcat-digits`, `fedseq-digits`, `fedconcat-digits`, `baselines-digits` are the earlier
+  single-setting digits comparisons, unchanged (same labels, same output paths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .columns import (
+    FINAL_ACCURACY,
+    FINAL_ACCURACY_PERCENT,
+    TOTAL_MEGABYTES,
+    WALL_SECONDS,
+    Column,
+    label_stage_megabytes,
+    mean_covered_classes,
+    setup_value,
+    stage_megabytes,
+)
+from .data import LABELS, Subsample
+
+SCALES = ("smoke", "small", "paper")
+Knobs = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A column group of the table: one dataset × partition. `name` is its folder ("" when a
+    suite has a single, unnamed setting), `label` its column title."""
+
+    name: str
+    label: str
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (setting, method) of a suite: the run config of each of its seeds, minus the seed."""
+
+    setting: Setting
+    method: str
+    num_supernodes: int
+    run_config: Mapping[str, Any]
+
+    @property
+    def dataset(self) -> str:
+        """The dataset the cell trains on."""
+        return str(self.run_config.get("dataset", "digits"))
+
+    def workdir(self, suite_dir: Path, seed: int) -> Path:
+        """Where seed `seed` of this cell runs; its metrics.json is `<workdir>/output/metrics.json`."""
+        return suite_dir / self.setting.name / slug(self.method) / f"seed-{seed}"
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A benchmark table: its cells, the columns it reports and the notes its header carries.
+
+    `columns[0]` is the accuracy the `paper` figures sit next to; `paper` is None for suites
+    without a paper column, else (method, setting name) → the paper's figure (None: unknown).
+    `targets` adds "rounds to reach t × the reference accuracy" columns. `subsample` is the real
+    data the scale trains on (None: the whole dataset).
+    """
+
+    name: str
+    scale: str
+    description: str
+    cells: tuple[Cell, ...]
+    columns: tuple[Column, ...]
+    notes: tuple[str, ...] = ()
+    targets: tuple[float, ...] = ()
+    paper: Mapping[tuple[str, str], float | None] | None = None
+    subsample: Subsample | None = None
+
+    @property
+    def settings(self) -> list[Setting]:
+        """The settings in table order."""
+        return list(dict.fromkeys(cell.setting for cell in self.cells))
+
+    @property
+    def methods(self) -> list[str]:
+        """The method labels in table order."""
+        return list(dict.fromkeys(cell.method for cell in self.cells))
+
+    def cell(self, setting: Setting, method: str) -> Cell | None:
+        """The cell of (setting, method), if the suite runs that combination."""
+        return next((c for c in self.cells if c.setting == setting and c.method == method), None)
+
+
+def slug(label: str) -> str:
+    """A method label as a folder name (the earlier harness's rule: output paths stay put)."""
+    return "".join(ch if ch.isalnum() else "-" for ch in label.lower()).strip("-")
+
+
+# --------------------------------------------------------------------------- the papers' suites
+
+# The papers' own figures (final accuracy, %), keyed by (method label, setting name). The papers
+# were not available to the harness, so nothing is filled in: the tables show "–".
+PAPER: dict[str, dict[tuple[str, str], float | None]] = {"fedcat": {}, "fedconcat": {}, "fedseq": {}}
+
+# Knobs set the same way in every suite at a scale: the data it trains on.
+_SMOKE_DATA = {"datasets": ("digits",), "train images": None, "test images": None}
+_SMALL_DATA = {"train images": 6000, "test images": 1000}
+_CLIENTS_TRAIN_ON_ALL = {"local-test-fraction": 0.0}  # clients train on their whole partition, as in the papers
+
+
+@dataclass(frozen=True)
+class Blueprint:
+    """A papers' suite at any scale: `build` turns a scale's knobs into cells."""
+
+    name: str
+    description: str
+    build: Callable[[Knobs], list[Cell]]
+    paper_knobs: Knobs
+    scale_knobs: dict[str, Knobs]  # per scale: the knobs that differ from the paper's
+    columns: tuple[Column, ...]
+    choices: tuple[str, ...]  # settings the harness chose where the brief gives no paper value
+    targets: tuple[float, ...] = ()
+    knob_notes: dict[str, str] = field(default_factory=dict)  # knob → why/what, shown with a change
+
+    def knobs(self, scale: str) -> Knobs:
+        """Every knob at `scale`."""
+        return {**self.paper_knobs, **self.scale_knobs.get(scale, {})}
+
+    def suite(self, scale: str) -> Suite:
+        """The suite at `scale`, its header listing every knob changed from the paper scale."""
+        knobs = self.knobs(scale)
+        changed = [
+            f"{knob}: {_show(self.paper_knobs[knob])} → {_show(value)}"
+            + (f" ({self.knob_notes[knob]})" if knob in self.knob_notes else "")
+            for knob, value in knobs.items()
+            if value != self.paper_knobs[knob]
+        ]
+        scaled = (
+            "Scaled down from the paper (paper → here): " + "; ".join(changed) + "."
+            if changed
+            else "Paper scale: the papers' settings as the harness knows them (see the harness's choices)."
+        )
+        subsample = (
+            Subsample(knobs["train images"], knobs["test images"]) if knobs["train images"] is not None else None
+        )
+        return Suite(
+            name=self.name,
+            scale=scale,
+            description=self.description,
+            cells=tuple(self.build(knobs)),
+            columns=self.columns,
+            notes=(scaled, "Harness choices (no paper value given to the harness): " + "; ".join(self.choices) + "."),
+            targets=self.targets,
+            paper=PAPER[self.name],
+            subsample=subsample,
+        )
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "all"
+    if isinstance(value, tuple):
+        return ", ".join(_show(v) for v in value)
+    if isinstance(value, str):
+        return LABELS.get(value, value)
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _cells(
+    knobs: Knobs,
+    partitions: list[tuple[str, str, dict[str, Any]]],
+    shared: dict[str, Any],
+    methods: Callable[[str], dict[str, dict[str, Any]]],
+) -> list[Cell]:
+    """Cells for every dataset × partition × method: `partitions` are (name, label, overrides),
+    `methods(dataset)` maps method labels to their overrides."""
+    cells = []
+    for dataset in knobs["datasets"]:
+        for name, label, partition in partitions:
+            setting = Setting(f"{dataset}-{name}", f"{LABELS[dataset]} {label}")
+            base = {"dataset": dataset, **partition, **_CLIENTS_TRAIN_ON_ALL, **shared}
+            base["min-available-nodes"] = knobs["clients"]
+            for method, overrides in methods(dataset).items():
+                cells.append(Cell(setting, method, knobs["clients"], {**base, **overrides}))
+    return cells
+
+
+def _dirichlet(alphas: tuple[float, ...], label: Callable[[float], str]) -> list[tuple[str, str, dict[str, Any]]]:
+    return [(f"dir{alpha:g}", label(alpha), {"partition": "dirichlet", "alpha": alpha}) for alpha in alphas]
+
+
+# FedProx μ of the FedCat paper (MNIST 0.1, CIFAR-10 0.01); Fashion-MNIST and digits: harness's choice.
+FEDCAT_PROX_MU = {"mnist": 0.1, "fmnist": 0.1, "cifar10": 0.01, "digits": 0.1}
+
+
+def _fedcat(knobs: Knobs) -> list[Cell]:
+    def methods(dataset: str) -> dict[str, dict[str, Any]]:
+        return {
+            "FedAvg": {"strategy": "fedavg"},
+            "FedProx": {"strategy": "fedavg", "local-objective": "fedprox", "proximal-mu": FEDCAT_PROX_MU[dataset]},
+            "SCAFFOLD": {"strategy": "scaffold"},
+            "FedCat": {"strategy": "fedcat"},
+            "FedCat w/ GC (no concatenation)": {"strategy": "fedcat", "fedcat-concat": False},
+            "FedCat w/ DC (random selection)": {"strategy": "fedcat", "fedcat-selection": "random"},
+        }
+
+    shared = {
+        "model": knobs["model"],
+        "num-server-rounds": knobs["rounds"],
+        # FedCat's K devices per round is round(fraction-train × N); FedAvg & co. train K clients too.
+        "fraction-train": knobs["devices per round (K)"] / knobs["clients"],
+        "local-epochs": knobs["local epochs"],
+        "batch-size": 50,
+        "lr": 0.01,
+        "momentum": 0.9,
+    }
+    return _cells(knobs, _dirichlet(knobs["Dirichlet α"], lambda a: f"Dir({a:g})"), shared, methods)
+
+
+def _fedconcat(knobs: Knobs) -> list[Cell]:
+    baseline_rounds = {"num-server-rounds": knobs["baseline rounds"]}
+    concat_rounds = {
+        "fedconcat-encoder-rounds": knobs["encoder rounds"],
+        "fedconcat-classifier-rounds": knobs["classifier rounds"],
+    }
+
+    def methods(_: str) -> dict[str, dict[str, Any]]:
+        return {
+            "FedAvg": {"strategy": "fedavg", **baseline_rounds},
+            "FedProx": {"strategy": "fedavg", "local-objective": "fedprox", "proximal-mu": 0.01, **baseline_rounds},
+            "MOON": {"strategy": "fedavg", "local-objective": "moon", **baseline_rounds},
+            "FedRS": {"strategy": "fedavg", "local-objective": "fedrs", **baseline_rounds},
+            "FedLC": {"strategy": "fedavg", "local-objective": "fedlc", **baseline_rounds},
+            "FedConcat": {"strategy": "fedconcat", **concat_rounds},
+            "FedConcat-ID": {"strategy": "fedconcat-id", **concat_rounds},
+        }
+
+    shared = {
+        "model": knobs["model"],
+        "local-epochs": knobs["local epochs"],
+        "batch-size": 64,
+        "lr": 0.01,
+        "momentum": 0.9,
+        "weight-decay": 1e-5,
+        "fedconcat-clusters": str(knobs["clusters (K)"]),
+        "fedconcat-classifier-steps": 3,
+    }
+    partitions = [
+        ("c2", "#C=2", {"partition": "classes", "classes-per-client": 2}),
+        ("c3", "#C=3", {"partition": "classes", "classes-per-client": 3}),
+        *_dirichlet((0.1, 0.5), lambda a: f"Dir({a:g})"),
+    ]
+    return _cells(knobs, partitions, shared, methods)
+
+
+def _fedseq(knobs: Knobs) -> list[Cell]:
+    def methods(_: str) -> dict[str, dict[str, Any]]:
+        fedseq = {"strategy": "fedseq", "report-label-counts": True}
+        prox = {"local-objective": "fedprox", "proximal-mu": 0.01}
+        dyn = {"local-objective": "feddyn", "feddyn-alpha": 0.1}
+        return {
+            "FedAvg": {"strategy": "fedavg"},
+            "FedProx": {"strategy": "fedavg", **prox},
+            "SCAFFOLD": {"strategy": "scaffold"},
+            "FedDyn": {"strategy": "fedavg", **dyn},
+            "FedSeq (greedy+KL)": fedseq,
+            "FedSeq (random grouping)": {**fedseq, "fedseq-grouping": "random"},
+            "FedSeqInter": {**fedseq, "strategy": "fedseq-inter"},
+            "FedSeq + FedProx": {**fedseq, **prox},
+            "FedSeq + FedDyn": {**fedseq, **dyn},
+        }
+
+    shared = {
+        "model": knobs["model"],
+        "num-server-rounds": knobs["rounds"],
+        "fraction-train": 0.2,
+        "local-epochs": 1,
+        "batch-size": 64,
+        "lr": 0.01,
+        "momentum": 0.0,
+        "weight-decay": 4e-4,
+        "fedseq-min-samples": knobs["superclient min samples"],
+        "fedseq-max-clients": 11,
+        "fedseq-pretrain-epochs": knobs["pre-training epochs"],
+    }
+    alphas = _dirichlet(knobs["α"], lambda a: "α=0 (1 class/client)" if a == 0 else f"α={a:g}")
+    return _cells(knobs, alphas, shared, methods)
+
+
+BLUEPRINTS: dict[str, Blueprint] = {
+    "fedcat": Blueprint(
+        "fedcat",
+        "FedCat paper, Tables 1/3: McMahan CNN, SGD lr 0.01, momentum 0.9, batch 50; K devices per "
+        "round (FedAvg, FedProx, SCAFFOLD: K clients per round); FedProx μ: MNIST 0.1, CIFAR-10 0.01",
+        _fedcat,
+        {
+            "datasets": ("mnist", "fmnist", "cifar10"),
+            "Dirichlet α": (0.1, 0.5, 1.0),
+            "model": "mcmahan-cnn",
+            "clients": 100,
+            "devices per round (K)": 10,
+            "rounds": 200,
+            "local epochs": 5,
+            "train images": None,
+            "test images": None,
+        },
+        {
+            "small": {**_SMALL_DATA, "clients": 20, "devices per round (K)": 4, "rounds": 12, "local epochs": 1},
+            "smoke": {**_SMOKE_DATA, "clients": 10, "devices per round (K)": 2, "rounds": 4},
+        },
+        (FINAL_ACCURACY_PERCENT, TOTAL_MEGABYTES, WALL_SECONDS),
+        (
+            "200 rounds at paper scale (the brief gives no round count)",
+            "FedProx μ 0.1 for Fashion-MNIST and digits",
+            "FedCat λ = 2, ε = 0.5 (concatfl's defaults)",
+            "accuracy = the global model's on the whole test set after the last round",
+        ),
+        knob_notes={"devices per round (K)": "fraction-train K/clients"},
+    ),
+    "fedconcat": Blueprint(
+        "fedconcat",
+        "FedConcat paper, Table 1: simple CNN, SGD lr 0.01, momentum 0.9, weight decay 1e-5, batch 64; "
+        "K clusters; FedConcat's head trains 3 local steps per classifier round; the baselines "
+        "(FedAvg + local objectives) get a round budget of about the same total communication — "
+        "compare the MB table",
+        _fedconcat,
+        {
+            "datasets": ("fmnist", "cifar10"),
+            "model": "simple-cnn",
+            "clients": 40,
+            "clusters (K)": 5,
+            "local epochs": 10,
+            "baseline rounds": 50,
+            "encoder rounds": 31,
+            "classifier rounds": 200,
+            "train images": None,
+            "test images": None,
+        },
+        {
+            "small": {
+                **_SMALL_DATA,
+                "clients": 20,
+                "local epochs": 2,
+                "baseline rounds": 10,
+                "encoder rounds": 6,
+                "classifier rounds": 40,
+            },
+            "smoke": {
+                **_SMOKE_DATA,
+                "model": "mlp",
+                "clients": 10,
+                "baseline rounds": 3,
+                "encoder rounds": 2,
+                "classifier rounds": 12,
+            },
+        },
+        (
+            FINAL_ACCURACY_PERCENT,
+            TOTAL_MEGABYTES,
+            Column("stage 1 MB (labels)", label_stage_megabytes),
+            Column("encoder-training MB", stage_megabytes("encoder-training")),
+            Column("encoder-broadcast MB", stage_megabytes("encoder-broadcast")),
+            Column("classifier MB", stage_megabytes("classifier")),
+            WALL_SECONDS,
+        ),
+        (
+            "Fashion-MNIST gets CIFAR-10's round budget (50 FedAvg rounds ≙ 31 encoder + 200 classifier rounds)",
+            "all clients train every round (fraction-train 1.0)",
+            "FedProx μ 0.01, MOON μ 1 and τ 0.5, FedRS α 0.5, FedLC τ 1 (concatfl's defaults)",
+            "accuracy = the global model's on the whole test set after the last round",
+        ),
+        knob_notes={
+            "model": "simple-cnn needs ≥ 16×16 inputs",
+            "baseline rounds": "encoder/classifier rounds in the same ratio",
+        },
+    ),
+    "fedseq": Blueprint(
+        "fedseq",
+        "FedSeq paper, Tables I–III: LeNet-5, SGD lr 0.01, weight decay 4e-4, no momentum, batch 64, "
+        "1 local epoch, 20 % of the clients (FedSeq: of the superclients) per round; superclients of "
+        "at most 11 clients; FedDyn α 0.1",
+        _fedseq,
+        {
+            "datasets": ("cifar10", "fmnist"),
+            "α": (0.0, 0.2, 0.5),
+            "model": "lenet5",
+            "clients": 500,
+            "rounds": 500,
+            "superclient min samples": 800,
+            "pre-training epochs": 10,
+            "train images": None,
+            "test images": None,
+        },
+        {
+            "small": {**_SMALL_DATA, "train images": 5000, "clients": 50, "rounds": 10, "pre-training epochs": 2},
+            "smoke": {
+                **_SMOKE_DATA,
+                "model": "mlp",
+                "clients": 10,
+                "rounds": 3,
+                "superclient min samples": 230,
+                "pre-training epochs": 1,
+            },
+        },
+        (
+            FINAL_ACCURACY_PERCENT,
+            TOTAL_MEGABYTES,
+            WALL_SECONDS,
+            Column("balance ratio (true labels)", setup_value("mean_balance_ratio_true")),
+            Column("balance ratio (estimated)", setup_value("mean_balance_ratio_estimated")),
+            Column("covered classes per superclient (true labels)", mean_covered_classes("true")),
+        ),
+        (
+            "500 rounds at paper scale (the brief gives no round count)",
+            "FedProx μ 0.01",
+            "pre-training 10 epochs (concatfl's default)",
+            "FedSeq runs ask the clients for their true label counts (report-label-counts) only to "
+            "report the true balance ratio; that query is part of their MB (a few hundred bytes per client)",
+            "accuracy = the global model's on the whole test set after the last round",
+        ),
+        targets=(0.7, 0.8),
+        knob_notes={
+            "train images": "100 per client, as CIFAR-10 at paper scale",
+            "model": "LeNet-5 needs ≥ 16×16 inputs",
+        },
+    ),
+}
+# The "overhead" suite (the cost of the strategies' extra protocol) is planned; it will be one more
+# Blueprint here, with its own columns. Not built yet.
+
+
+# --------------------------------------------------------------------------- the digits suites
+
+
+def _single_setting(
+    name: str,
+    description: str,
+    num_supernodes: int,
+    shared: dict[str, Any],
+    methods: list[tuple[str, dict[str, Any]]],
+    extra_columns: tuple[Column, ...] = (),
+) -> Suite:
+    """A one-setting digits comparison; its cells live directly under `<out>/<name>/`."""
+    setting = Setting("", "")
+    cells = tuple(Cell(setting, label, num_supernodes, {**shared, **overrides}) for label, overrides in methods)
+    columns = (FINAL_ACCURACY, TOTAL_MEGABYTES, WALL_SECONDS, *extra_columns)
+    return Suite(name, "digits", description, cells, columns)
+
+
+DIGITS_DIRICHLET = {"dataset": "digits", "partition": "dirichlet", "alpha": 0.1, "num-server-rounds": 40}
+DIGITS_SUITES: dict[str, Suite] = {
+    "fedcat-digits": _single_setting(
+        "fedcat-digits",
+        "digits, 20 clients, Dirichlet α=0.1, 40 rounds, K=4 devices per round (FedAvg: fraction 0.2)",
+        20,
+        {**DIGITS_DIRICHLET, "fraction-train": 0.2, "min-available-nodes": 20},
+        [
+            ("FedAvg", {"strategy": "fedavg"}),
+            ("FedCat", {"strategy": "fedcat", "fedcat-k": 4}),
+            ("FedCat w/ GC (no concatenation)", {"strategy": "fedcat", "fedcat-k": 4, "fedcat-concat": False}),
+            ("FedCat w/ DC (random selection)", {"strategy": "fedcat", "fedcat-k": 4, "fedcat-selection": "random"}),
+        ],
+    ),
+    "fedseq-digits": _single_setting(
+        "fedseq-digits",
+        "digits, 50 clients, α=0 (one class per client), 30 rounds, fraction-train 0.2, "
+        "no local test split, min-samples 270 (10 clients per superclient)",
+        50,
+        {
+            "dataset": "digits",
+            "partition": "dirichlet",
+            "alpha": 0.0,
+            "num-server-rounds": 30,
+            "fraction-train": 0.2,
+            "local-test-fraction": 0.0,
+            "min-available-nodes": 50,
+            "fedseq-min-samples": 270,
+            "fedseq-pretrain-epochs": 10,
+            "report-label-counts": True,
+        },
+        [
+            ("FedAvg", {"strategy": "fedavg"}),
+            ("FedSeq (greedy+KL, paper's ½/½ merge)", {"strategy": "fedseq"}),
+            ("FedSeq (greedy+KL, weighted merge)", {"strategy": "fedseq", "fedseq-greedy-merge": "weighted"}),
+            ("FedSeqInter (greedy+KL, paper's merge)", {"strategy": "fedseq-inter"}),
+            ("FedSeq (random grouping)", {"strategy": "fedseq", "fedseq-grouping": "random"}),
+        ],
+        (
+            Column("balance ratio (true labels)", setup_value("mean_balance_ratio_true")),
+            Column("balance ratio (estimated)", setup_value("mean_balance_ratio_estimated")),
+        ),
+    ),
+    "fedconcat-digits": _single_setting(
+        "fedconcat-digits",
+        "digits, 20 clients, #C=2 (two classes per client); FedConcat: K=5 clusters, 10 encoder + "
+        "20 classifier rounds; FedAvg: 16 rounds ≈ the same total bytes (see the MB column)",
+        20,
+        {"dataset": "digits", "partition": "classes", "classes-per-client": 2, "min-available-nodes": 20},
+        [
+            ("FedAvg", {"strategy": "fedavg", "num-server-rounds": 16}),
+            ("FedConcat", {"strategy": "fedconcat"}),
+            ("FedConcat-ID", {"strategy": "fedconcat-id"}),
+        ],
+        (
+            Column("stage 1 MB (labels)", label_stage_megabytes),
+            Column("encoder-training MB", stage_megabytes("encoder-training")),
+            Column("encoder-broadcast MB", stage_megabytes("encoder-broadcast")),
+            Column("classifier MB", stage_megabytes("classifier")),
+        ),
+    ),
+    "baselines-digits": _single_setting(
+        "baselines-digits",
+        "digits, 20 clients, Dirichlet α=0.1, 40 rounds for every method (FedConcat: 20 encoder + 20 "
+        "classifier rounds), fraction-train 0.2 (FedAvg/SCAFFOLD: 4 clients per round, FedCat: K=4, "
+        "FedSeq: 1 of ~5 superclients of ≥230 samples); FedProx μ=0.01, FedDyn α=0.1 (the FedSeq paper's), "
+        "MOON μ=1 τ=0.5, FedRS α=0.5, FedLC τ=1",
+        20,
+        {
+            **DIGITS_DIRICHLET,
+            "fraction-train": 0.2,
+            "min-available-nodes": 20,
+            "fedcat-k": 4,
+            "fedseq-min-samples": 230,
+            "fedconcat-encoder-rounds": 20,
+            "fedconcat-classifier-rounds": 20,
+        },
+        [
+            ("FedAvg", {"strategy": "fedavg"}),
+            ("FedProx", {"strategy": "fedprox", "proximal-mu": 0.01}),
+            ("SCAFFOLD", {"strategy": "scaffold"}),
+            ("FedCat", {"strategy": "fedcat"}),
+            ("FedSeq", {"strategy": "fedseq"}),
+            ("FedSeqInter", {"strategy": "fedseq-inter"}),
+            ("FedConcat", {"strategy": "fedconcat"}),
+            ("FedConcat-ID", {"strategy": "fedconcat-id"}),
+            ("FedSeq + FedDyn", {"strategy": "fedseq", "local-objective": "feddyn", "feddyn-alpha": 0.1}),
+            ("FedCat + FedProx", {"strategy": "fedcat", "local-objective": "fedprox", "proximal-mu": 0.01}),
+            ("FedAvg + FedDyn", {"strategy": "fedavg", "local-objective": "feddyn", "feddyn-alpha": 0.1}),
+            ("FedAvg + MOON", {"strategy": "fedavg", "local-objective": "moon"}),
+            ("FedAvg + FedRS", {"strategy": "fedavg", "local-objective": "fedrs"}),
+            ("FedAvg + FedLC", {"strategy": "fedavg", "local-objective": "fedlc"}),
+        ],
+    ),
+}
+
+SUITE_NAMES = (*BLUEPRINTS, *DIGITS_SUITES)
+
+
+def get_suite(name: str, scale: str | None = None) -> Suite:
+    """Suite `name` at `scale` (papers' suites: default `smoke`; digits suites: fixed, no scale)."""
+    if name in DIGITS_SUITES:
+        if scale is not None:
+            raise ValueError(f"{name} has a fixed scale; --scale applies to {', '.join(BLUEPRINTS)}")
+        return DIGITS_SUITES[name]
+    if name not in BLUEPRINTS:
+        raise ValueError(f"unknown suite {name!r}; known: {', '.join(SUITE_NAMES)}")
+    scale = scale or "smoke"
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; known: {', '.join(SCALES)}")
+    return BLUEPRINTS[name].suite(scale)
