@@ -27,6 +27,7 @@ from .fedconcat_client import (
 )
 from .objectives import CONTROL_KEY, build_objective
 from .runtime import ClientData, load_client_data, load_data, make_model
+from .stable_grid import IDENTITY_QUERY, PARTITION_ID_KEY
 from .training import evaluate, pick_device, train
 
 app = ClientApp()
@@ -120,16 +121,21 @@ def evaluate_handler(message: Message, context: Context) -> Message:
 
 @app.query()
 def query_handler(message: Message, context: Context) -> Message:
-    """Answer `config["query"]`: `label-counts` → this client's training label counts.
+    """Answer `config["query"]`:
 
-    A diagnostic for simulations (FedSeq's `report-label-counts`); a deployment that must not
-    reveal label counts simply does not enable it on the server.
+    - `identity` → this node's `partition-id` (the ServerApp's stable id for the node, see
+      `concatfl.stable_grid`);
+    - `label-counts` → this client's training label counts: a diagnostic for simulations
+      (FedSeq's `report-label-counts`); a deployment that must not reveal label counts simply
+      does not enable it on the server.
     """
-    config = client_config(context)
     asked = message.content.config_records.get("config", {}).get("query")
+    if asked == IDENTITY_QUERY:
+        partition_id = int(context.node_config[PARTITION_ID_KEY])
+        return Message(RecordDict({"metrics": MetricRecord({PARTITION_ID_KEY: partition_id})}), reply_to=message)
     if asked != "label-counts":
-        raise ValueError(f"unknown query {asked!r}; this ClientApp answers 'label-counts'")
-    counts = client_data(context, config).label_counts()
+        raise ValueError(f"unknown query {asked!r}; this ClientApp answers '{IDENTITY_QUERY}' and 'label-counts'")
+    counts = client_data(context, client_config(context)).label_counts()
     return Message(RecordDict({"metrics": MetricRecord({"label-counts": counts.tolist()})}), reply_to=message)
 
 

@@ -62,6 +62,7 @@ class RunConfig:
     seed: int = 0
     device: str = "auto"
     output_dir: str = "outputs"
+    resume: bool = False
     report_label_counts: bool = False
     fedcat_k: int = 0
     fedcat_lambda: int = 2

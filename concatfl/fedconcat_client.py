@@ -152,9 +152,9 @@ def handle_head_training(message: Message, context: Context, data: ClientData) -
     weight, bias = state[CLASSIFIER_WEIGHT], state[CLASSIFIER_BIAS]
     classifier = nn.Linear(weight.shape[1], weight.shape[0])
     classifier.load_state_dict({"weight": weight, "bias": bias})
-    seed = (
-        int(settings["seed"]) * 1_000_003 + int(settings.get("server-round", 0)) * 100_003 + context.node_id
-    )
+    # The partition id (when the node has one) keeps the draw the same for a node across runs.
+    node = int(context.node_config.get("partition-id", context.node_id))
+    seed = int(settings["seed"]) * 1_000_003 + int(settings.get("server-round", 0)) * 100_003 + node
     loss = train_classifier(
         classifier,
         features,

@@ -350,11 +350,14 @@ class FlowerSession:
             else None
         )
         deadline = time.monotonic() + timeout
+        # Each status check starts a `flwr` CLI process (~1 s of CPU): back off to one per 5 s.
+        pause = 1.0
         try:
             while not (status := self.status(run_id)).startswith("finished"):
                 if time.monotonic() > deadline:
                     raise SimulationError(f"run {run_id} did not finish within {timeout} s")
-                time.sleep(1.0)
+                time.sleep(pause)
+                pause = min(pause * 1.5, 5.0)
             if follower is not None:
                 follower.wait(timeout=30)
         finally:

@@ -8,11 +8,14 @@ from logging import INFO
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
+from .checkpoint import Checkpoint, check_resumable, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .metrics import summarize, write_metrics
 from .runtime import ServerEnv
+from .stable_grid import StableNodeGrid
 from .strategies import build_strategy
 
 app = ServerApp()
@@ -30,22 +33,55 @@ def wait_for_nodes(grid: Grid, minimum: int, poll_seconds: float = 1.0) -> int:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Validate the config, then train with the chosen strategy and record everything."""
+    """Validate the config, then train with the chosen strategy and record everything.
+
+    After every round the complete server state goes to `<output-dir>/checkpoint`;
+    `resume=true` continues from there.
+    """
     started = time.perf_counter()
     config = RunConfig.from_mapping(context.run_config)
+    run_config = config.as_dict()
+    resumed = load_checkpoint(config.output_dir) if config.resume else None
+    if resumed is not None:
+        check_resumable(resumed.run_config, run_config)
     torch.manual_seed(config.seed)
     env = ServerEnv.from_config(config)
     strategy = build_strategy(config, env)
+    grid = StableNodeGrid(grid)
     num_nodes = wait_for_nodes(grid, config.min_available_nodes)
+
+    initial_arrays = ArrayRecord(env.make_model().state_dict())
+    earlier_seconds = 0.0
+    if resumed is not None:
+        strategy.load_state_dict(resumed.strategy_state)
+        initial_arrays = ArrayRecord(resumed.arrays)
+        torch.set_rng_state(resumed.torch_rng)
+        earlier_seconds = resumed.wall_seconds
+        log(INFO, "Resuming after round %d from %s", resumed.server_round, config.output_dir)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         loss, accuracy = env.evaluate(strategy.global_module(arrays, env.make_model))
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    run_config = config.as_dict()
+    def initial_metrics(result: Result) -> dict[str, float]:
+        return resumed.initial if resumed is not None else dict(result.evaluate_metrics_serverapp[0])
+
+    def write_checkpoint(server_round: int, arrays: ArrayRecord, result: Result) -> None:
+        checkpoint = Checkpoint(
+            server_round=server_round,
+            arrays=arrays.to_torch_state_dict(),
+            strategy_state=strategy.state_dict(),
+            initial=initial_metrics(result),
+            torch_rng=torch.get_rng_state(),
+            run_config=run_config,
+            wall_seconds=earlier_seconds + time.perf_counter() - started,
+        )
+        save_checkpoint(config.output_dir, checkpoint)
+
+    strategy.after_round = write_checkpoint
     result = strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord(env.make_model().state_dict()),
+        initial_arrays=initial_arrays,
         num_rounds=config.num_server_rounds,
         timeout=config.timeout,
         train_config=ConfigRecord({key: run_config[key] for key in TRAIN_KEYS}),
@@ -56,9 +92,9 @@ def main(grid: Grid, context: Context) -> None:
         config.strategy,
         num_nodes,
         strategy.setup_record,
-        dict(result.evaluate_metrics_serverapp[0]),
+        initial_metrics(result),
         strategy.history,
-        time.perf_counter() - started,
+        earlier_seconds + time.perf_counter() - started,
     )
     path = write_metrics(config.output_dir, document)
     log(INFO, "final accuracy %.4f; metrics written to %s", document["final_accuracy"], path)

@@ -28,12 +28,12 @@ from concatfl.metrics import read_metrics
 APP = PROJECT_DIR / "scripts/latency_app"
 
 # name -> extra environment of every process. FLWR_SUPEREXEC_TASK_POLL_INTERVAL is Flower 1.42's
-# own setting (SuperExec's task polling, default 1 s); CONCATFL_PULL_INTERVAL prototypes concatfl's
-# relay polling for replies instead of Flower's fixed 3 s (see scripts/latency_app).
+# own setting (SuperExec's task polling, default 1 s); CONCATFL_PULL_INTERVAL sets how often the
+# ServerApp pulls replies (concatfl: 0.1 s; Flower's own Grid: 3 s; see scripts/latency_app).
 VARIANTS: dict[str, dict[str, str]] = {
-    "flower-defaults": {},
-    "superexec-poll-0.1s": {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"},
-    "superexec-poll-0.1s+server-pull-0.2s": {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1", "CONCATFL_PULL_INTERVAL": "0.2"},
+    "flower-defaults": {"CONCATFL_PULL_INTERVAL": "3"},
+    "server-pull-0.1s": {},
+    "server-pull-0.1s+superexec-poll-0.1s": {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"},
 }
 
 

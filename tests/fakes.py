@@ -6,6 +6,8 @@ A message to a node the grid does not know raises, as Flower logs "Invalid desti
 
 Each node is a Python callable `handler(message) -> Message | None`; returning None simulates a
 reply that never comes (node gone, timeout). Every message the strategy sent is kept in `sent`.
+`send_and_receive` returns at once; with `push_messages`/`pull_messages` (what concatfl's
+`StableNodeGrid` uses) a missing reply is awaited until the caller's timeout, as in Flower.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class FakeGrid(Grid):
         self.handlers = dict(handlers)
         self.sent: list[Message] = []
         self.hops: list[list[Message]] = []
+        self._replies: dict[str, Message] = {}
 
     def set_run(self, run_id: int) -> None:
         raise NotImplementedError("not needed in tests")
@@ -47,13 +50,21 @@ class FakeGrid(Grid):
         raise NotImplementedError("not needed in tests")
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        raise NotImplementedError("strategies use send_and_receive")
+        """Give each message an id (as Flower does on push) and answer it at once."""
+        batch = list(messages)
+        for position, message in enumerate(batch, start=len(self.sent)):
+            message.metadata.__dict__["_message_id"] = f"message-{position}"
+        for reply in self._answer(batch):
+            self._replies[reply.metadata.reply_to_message_id] = reply
+        return [message.metadata.message_id for message in batch]
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        raise NotImplementedError("strategies use send_and_receive")
+        return [self._replies.pop(message_id) for message_id in list(message_ids) if message_id in self._replies]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        batch = list(messages)
+        return self._answer(list(messages))
+
+    def _answer(self, batch: list[Message]) -> list[Message]:
         self.sent.extend(batch)
         self.hops.append(batch)
         replies = []

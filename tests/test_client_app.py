@@ -151,3 +151,14 @@ def test_missing_node_config_raises_naming_the_node_config_flag(node_config):
 def test_invalid_run_config_fails_before_training():
     with pytest.raises(ValueError, match="lr"):
         _train({"server-round": 1}, _context({**RUN_CONFIG, "lr": "abc"}))
+
+
+def test_identity_query_reports_the_partition_id_without_loading_data():
+    message = Message(
+        RecordDict({"config": ConfigRecord({"query": "identity"})}), dst_node_id=1, message_type=MessageType.QUERY
+    )
+    # A data-dir that cannot be read proves no data is loaded for this answer.
+    reply = app(message, _context(run_config={**RUN_CONFIG, "dataset": "mnist", "data-dir": "/nonexistent"},
+                                  node_config={"partition-id": 3, "num-partitions": 4}))
+    assert not reply.has_error()
+    assert reply.content.metric_records["metrics"]["partition-id"] == 3

@@ -89,7 +89,8 @@ def _secure_session(tmp_path, num_supernodes):
 def _kill_and_restart(tmp_path, run_config, num_nodes, kill_at_train_message):
     """Run with `num_nodes` authenticated SuperNodes; SIGKILL the first node that receives its
     `kill_at_train_message`-th train message (at once: it never replies), restart it, and let
-    the run finish. Returns (metrics, node id of the killed node, seconds until it was back)."""
+    the run finish. Returns (metrics, the killed node's id in metrics.json (its partition id, the
+    ServerApp's stable node id), seconds until it was back)."""
     certificates, session = _secure_session(tmp_path, num_nodes)
     output = tmp_path / "output"
     with session:
@@ -109,7 +110,7 @@ def _kill_and_restart(tmp_path, run_config, num_nodes, kill_at_train_message):
         session.wait(run_id, timeout=900)
         assert session.status(run_id) == "finished:completed"
         assert victim.node_id in online_node_ids(session)  # back, under its registered id
-    return read_metrics(output), victim.node_id, restart_seconds
+    return read_metrics(output), victim.partition_id, restart_seconds
 
 
 @pytest.mark.e2e
@@ -178,7 +179,7 @@ def test_misbehaving_client_is_rejected_and_accuracy_matches_a_clean_run(tmp_pat
         run_id = session.submit({"output-dir": str(clean_output)}, app_dir=MISBEHAVING_APP)
         session.wait(run_id, timeout=900)
     faulty, clean = read_metrics(faulty_output), read_metrics(clean_output)
-    bad = nodes[2].node_id
+    bad = nodes[2].node_id  # this app answers no identity query, so its nodes keep Flower's ids
     rejections = misses_of(faulty, bad)
     assert [round_ for round_, _ in rejections] == [1, 2, 3]
     for (_, reason), expected in zip(rejections, ("non-finite values", "shape of", "'num-examples' must be a positive")):

@@ -12,6 +12,7 @@ the usual Message API; `start()` is the usual entry point and returns a Flower `
 
 from __future__ import annotations
 
+import copy
 import io
 import itertools
 import time
@@ -60,6 +61,13 @@ class RelayStrategy(Strategy):
     seed : int (default: 0)
         Seed of the strategy's one random generator (`self.rng`): every random choice on the
         server draws from it, so a run is reproducible.
+
+    Attributes
+    ----------
+    after_round : Callable[[int, ArrayRecord, Result], None] | None
+        Called at the end of every round with the round number, the global model and the
+        `Result` so far, once the round's record is in `history` (concatfl's ServerApp writes
+        its checkpoint there).
     """
 
     def __init__(
@@ -72,6 +80,7 @@ class RelayStrategy(Strategy):
         self.rng = np.random.default_rng(seed)
         self.history: list[dict[str, Any]] = []
         self.setup_record: dict[str, Any] = {}
+        self.after_round: Callable[[int, ArrayRecord, Result], None] | None = None
         self._round_extras: dict[str, Any] = {}
         self._pending: list[Request] = []
         self._pending_messages: list[Message] = []
@@ -105,12 +114,17 @@ class RelayStrategy(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the run: a JSON/pickle-friendly dict."""
-        return {"rng": self.rng.bit_generator.state, "history": self.history}
+        return {
+            "rng": self.rng.bit_generator.state,
+            "history": copy.deepcopy(self.history),
+            "setup_record": copy.deepcopy(self.setup_record),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
         self.rng.bit_generator.state = state["rng"]
-        self.history = list(state["history"])
+        self.history = copy.deepcopy(state["history"])
+        self.setup_record = copy.deepcopy(state["setup_record"])
 
     def global_module(self, arrays: ArrayRecord, make_model: Callable[[], nn.Module]) -> nn.Module:
         """The torch module that `arrays` (the global model this strategy returns) stands for.
@@ -184,7 +198,7 @@ class RelayStrategy(Strategy):
         """Log the strategy's configuration."""
         log(INFO, "\t├──> %s", self.__class__.__name__)
         for key, value in sorted(vars(self).items()):
-            if not key.startswith("_") and key not in ("history", "setup_record", "rng"):
+            if not key.startswith("_") and key not in ("history", "setup_record", "rng", "after_round"):
                 log(INFO, "\t│\t├── %s: %s", key, value)
 
     # pylint: disable=too-many-arguments, too-many-locals
@@ -260,6 +274,8 @@ class RelayStrategy(Strategy):
             record["seconds"] = round(time.perf_counter() - round_started, 4)
             self.history.append(record)
             log(INFO, "\t└──> round %s: %s", server_round, _short(record))
+            if self.after_round is not None:
+                self.after_round(server_round, arrays, result)
 
         log(INFO, "Strategy execution finished in %.2fs", time.perf_counter() - started)
         for line in io.StringIO(str(result)):

@@ -635,7 +635,6 @@ class FedConcat(RelayStrategy):
         """Base state plus clusters, cluster models, encoders, classifier, caches, byte counts."""
         state = super().state_dict()
         state["fedconcat"] = {
-            "setup_record": copy.deepcopy(self.setup_record),
             "assignment": dict(self.assignment),
             "cluster_models": [_to_numpy(model) for model in self.cluster_models],
             "encoders": None if self.encoders is None else _to_numpy(self.encoders),
@@ -650,7 +649,6 @@ class FedConcat(RelayStrategy):
         """Restore what `state_dict` returned."""
         super().load_state_dict(state)
         saved = state["fedconcat"]
-        self.setup_record = copy.deepcopy(saved["setup_record"])
         self.assignment = {int(node): int(cluster) for node, cluster in saved["assignment"].items()}
         self.cluster_models = [_from_numpy(arrays) for arrays in saved["cluster_models"]]
         self.encoders = None if saved["encoders"] is None else _from_numpy(saved["encoders"])

@@ -463,13 +463,12 @@ class FedSeq(RelayStrategy):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Base state plus the superclient plan, the sample counts, the exemplars and the report."""
+        """Base state plus the superclient plan, the sample counts and the exemplars."""
         return {
             **super().state_dict(),
             "superclients": {sid: list(nodes) for sid, nodes in self.superclients.items()},
             "client_samples": dict(self.client_samples),
             "exemplars": self._exemplars.copy(),
-            "setup_record": self.setup_record,
             **({"feddyn": self.feddyn.state_dict()} if self.feddyn is not None else {}),
         }
 
@@ -479,7 +478,6 @@ class FedSeq(RelayStrategy):
         self.superclients = {int(sid): list(nodes) for sid, nodes in state["superclients"].items()}
         self.client_samples = {int(node): int(n) for node, n in state["client_samples"].items()}
         self._exemplars = np.asarray(state["exemplars"], dtype=np.int64)
-        self.setup_record = dict(state["setup_record"])
         if self.feddyn is not None:
             self.feddyn.load_state_dict(state["feddyn"])
         self._announce_exemplars()

@@ -3,22 +3,20 @@
 
 CONCATFL_HOP_LOG=<file>: append one JSON line per hop: wall seconds, messages, and the
     ClientApps' "train-seconds" (time inside the training loop).
-CONCATFL_PULL_INTERVAL=<seconds>: poll for replies at this interval instead of Flower 1.42's
-    fixed 3 s in `Grid.send_and_receive` (a prototype of a change to concatfl's relay).
+CONCATFL_PULL_INTERVAL=<seconds>: poll for replies at this interval instead of concatfl's 0.1 s
+    (`StableNodeGrid`); 3 reproduces Flower 1.42's own `Grid.send_and_receive`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
-from collections.abc import Iterable
+from functools import partial
 
-from flwr.app import Message
-from flwr.superlink.grid.http_grid import HttpGrid
-
+import concatfl.server_app as server_app
 import concatfl.strategies.base as base
 from concatfl.server_app import app
+from concatfl.stable_grid import StableNodeGrid
 
 __all__ = ["app"]  # the ServerApp Flower loads
 
@@ -34,23 +32,7 @@ def logged_relay(grid, requests, timeout):  # type: ignore[no-untyped-def]
     return hop
 
 
-def send_and_receive(self: HttpGrid, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-    """`HttpGrid.send_and_receive` polling every CONCATFL_PULL_INTERVAL seconds instead of 3."""
-    interval = float(os.environ["CONCATFL_PULL_INTERVAL"])
-    pending = set(self.push_messages(messages))
-    end_time = time.time() + (timeout or 0.0)
-    replies: list[Message] = []
-    while timeout is None or time.time() < end_time:
-        pulled = list(self.pull_messages(pending))
-        replies.extend(pulled)
-        pending.difference_update(message.metadata.reply_to_message_id for message in pulled)
-        if not pending:
-            break
-        time.sleep(interval)
-    return replies
-
-
 if os.environ.get("CONCATFL_HOP_LOG"):
     base.relay = logged_relay
 if os.environ.get("CONCATFL_PULL_INTERVAL"):
-    HttpGrid.send_and_receive = send_and_receive
+    server_app.StableNodeGrid = partial(StableNodeGrid, pull_interval=float(os.environ["CONCATFL_PULL_INTERVAL"]))
