@@ -1,4 +1,8 @@
-"""Command line: run one suite over the given seeds, write and print its table."""
+"""Command line: run one suite over the given seeds, write and print its table.
+
+`python -m concatfl.bench overhead [options]` measures the framework itself instead
+(`concatfl.bench.overhead`, with options of its own).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from pathlib import Path
 
 from ..data.datasets import DATASETS
 from ..launch import exit_on_sigterm
+from . import overhead
 from .runner import BenchError, cell_config, run_suite, select_cells, simulate_with_flower
 from .suites import BLUEPRINTS, SCALES, SUITE_NAMES, Suite, get_suite
 
@@ -43,8 +48,13 @@ def dry_run(suite: Suite, seeds: list[int], methods: list[str], settings: list[s
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, run (or list) the suite, print its table."""
     exit_on_sigterm()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [overhead.SUITE]:
+        return overhead.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m concatfl.bench", description=__doc__)
-    parser.add_argument("suite", choices=SUITE_NAMES)
+    parser.add_argument(
+        "suite", choices=(*SUITE_NAMES, overhead.SUITE), help=f"{overhead.SUITE} comes first, before its own options"
+    )
     parser.add_argument(
         "--scale", choices=SCALES, help=f"for {', '.join(BLUEPRINTS)} (default smoke); the digits suites have one"
     )
@@ -65,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus-per-client", type=int, default=1)
     parser.add_argument("--gpus-per-client", type=float, default=0.0, help="GPU share of each simulated client")
     args = parser.parse_args(argv)
+    if args.suite == overhead.SUITE:
+        parser.error(f"put {overhead.SUITE} first: python -m concatfl.bench {overhead.SUITE} [options]")
     try:
         suite = get_suite(args.suite, args.scale)
     except ValueError as error:
