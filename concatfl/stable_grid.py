@@ -109,18 +109,22 @@ class StableNodeGrid(Grid):
         return [self._to_stable(reply) for reply in self.grid.pull_messages(message_ids)]
 
     def _push_and_pull(self, messages: list[Message], timeout: float | None) -> list[Message]:
-        """Flower's send_and_receive on Flower node ids, polling every `pull_interval` seconds."""
-        pending = {message_id for message_id in self.grid.push_messages(messages) if message_id}
+        """Flower's send_and_receive on Flower node ids, polling every `pull_interval` seconds.
+
+        Replies come back in the order of the messages they answer, whatever order they arrive
+        in, so that aggregations sum in the same order in every run (and in a resumed one)."""
+        position = {message_id: i for i, message_id in enumerate(self.grid.push_messages(messages)) if message_id}
+        pending = set(position)
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
         while pending:
-            pulled = list(self.grid.pull_messages(pending))
+            pulled = list(self.grid.pull_messages(list(pending)))
             replies.extend(pulled)
             pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
             if not pending or (deadline is not None and time.monotonic() >= deadline):
                 break
             time.sleep(self.pull_interval)
-        return replies
+        return sorted(replies, key=lambda reply: position.get(reply.metadata.reply_to_message_id, len(position)))
 
     def _to_flower(self, messages: Iterable[Message]) -> list[Message]:
         batch = list(messages)
