@@ -168,10 +168,15 @@ class RunConfig:
         _at_least("fedseq-min-samples", self.fedseq_min_samples, 1)
         _at_least("fedseq-max-clients", self.fedseq_max_clients, 1)
         _at_least("fedseq-superclient-epochs", self.fedseq_superclient_epochs, 1)
-        if self.fedseq_metric in FEDSEQ_DISTRIBUTION_METRICS and self.fedseq_approximator != "conf":
+        if (
+            self.fedseq_grouping == "greedy"
+            and self.fedseq_metric in FEDSEQ_DISTRIBUTION_METRICS
+            and self.fedseq_approximator != "conf"
+        ):
             raise ConfigError(
                 f"fedseq-metric='{self.fedseq_metric}' compares distributions and needs "
-                "fedseq-approximator='conf'; with 'clf' use fedseq-metric='cosine' or 'euclidean'"
+                "fedseq-approximator='conf'; with 'clf' and greedy grouping use fedseq-metric='cosine' or "
+                "'euclidean' (kmeans and random grouping use no metric)"
             )
         if self.fedconcat_clusters != "auto":
             try:

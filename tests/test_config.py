@@ -105,6 +105,12 @@ def test_invalid_value_raises_configerror_naming_the_key(values, key):
     assert key in str(caught.value)
 
 
+def test_a_distribution_metric_is_only_checked_where_greedy_grouping_uses_it():
+    for grouping in ("kmeans", "random"):
+        config = RunConfig.from_mapping({"fedseq-approximator": "clf", "fedseq-grouping": grouping})
+        assert config.fedseq_metric == "kl"
+
+
 def test_configerror_is_a_valueerror():
     assert issubclass(ConfigError, ValueError)
 

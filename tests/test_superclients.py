@@ -140,6 +140,16 @@ def test_greedy_builds_superclients_covering_every_class(metric):
         assert sorted(classes_of(group, labels)) == list(range(NUM_CLASSES))
 
 
+@pytest.mark.parametrize(("merge", "expected"), [("half", [[0, 1], [2]]), ("weighted", [[0, 2], [1]])])
+def test_greedy_gini_ranks_candidates_by_the_merge_it_then_makes(merge, expected):
+    # From [1, 0] of 100 samples: a ½/½ merge with [0, 1] is uniform, but weighted by size the
+    # 10-sample [0, 1] hardly moves it while the 1000-sample [½, ½] nearly evens it out.
+    vectors = np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])
+    seed = next(s for s in range(100) if np.random.default_rng(s).integers(3) == 0)  # client 0 starts
+    groups = sc.greedy_grouping(vectors, [100, 10, 1000], "gini", 10_000, 2, np.random.default_rng(seed), merge)
+    assert groups == expected
+
+
 def test_greedy_wasserstein_adds_the_farthest_class_first():
     labels = list(range(NUM_CLASSES))
     groups = sc.greedy_grouping(one_hot(labels), [10] * 10, "wasserstein", 20, 11, np.random.default_rng(0))

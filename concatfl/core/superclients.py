@@ -226,7 +226,11 @@ def greedy_grouping(
         seed = remaining.pop(int(rng.integers(len(remaining))))
         group, merged, samples = [seed], vectors[seed].copy(), sizes[seed]
         while remaining and _open(samples, len(group), min_samples, max_clients):
-            scores = [dissimilarity(metric, vectors[j], merged) for j in remaining]
+            if metric == "gini":  # the Gini index of the merge this grouping would really make
+                merges = (merge_distribution(merged, samples, vectors[j], sizes[j], merge) for j in remaining)
+                scores = [1.0 - gini_index(candidate) for candidate in merges]
+            else:
+                scores = [dissimilarity(metric, vectors[j], merged) for j in remaining]
             chosen = remaining.pop(int(np.argmax(scores)))
             group.append(chosen)
             merged = merge_distribution(merged, samples, vectors[chosen], sizes[chosen], merge)

@@ -173,10 +173,10 @@ class FedSeq(RelayStrategy):
         _check_choice("metric", metric, tuple(sc.METRICS))
         _check_choice("grouping", grouping, sc.GROUPINGS)
         _check_choice("greedy_merge", greedy_merge, sc.GREEDY_MERGES)
-        if metric in FEDSEQ_DISTRIBUTION_METRICS and approximator != "conf":
+        if grouping == "greedy" and metric in FEDSEQ_DISTRIBUTION_METRICS and approximator != "conf":
             raise ValueError(
                 f"metric '{metric}' compares distributions and needs approximator 'conf'; "
-                "with 'clf' use 'cosine' or 'euclidean'"
+                "with 'clf' and greedy grouping use 'cosine' or 'euclidean'"
             )
         if approximator == "conf" and exemplar_pool is None:
             raise ValueError("approximator 'conf' needs an exemplar_pool (x, y) on the server")
@@ -530,11 +530,13 @@ class FedSeqInter(FedSeq):
             self._slots[chain.slot] = chain.model
             self.slot_samples[chain.slot] += chain.weight
         self.rounds_since_average += 1
+        aggregate = self.rounds_since_average >= max(1, len(self.superclients))
         filled = [i for i, n in enumerate(self.slot_samples) if n > 0]
         if not filled:
+            if aggregate:  # nothing trained since the last average: the slots still hold it
+                self.rounds_since_average = 0
             return None
         average = weighted_average([self._slots[i] for i in filled], [self.slot_samples[i] for i in filled])
-        aggregate = self.rounds_since_average >= max(1, len(self.superclients))
         self.record("slots", {"samples": list(self.slot_samples), "aggregated": aggregate})
         if aggregate:
             assert self._slot_start is not None
