@@ -109,6 +109,18 @@ def test_auto_k_finds_three_separated_groups():
     assert groups(clustering) == {frozenset(range(0, 5)), frozenset(range(5, 10)), frozenset(range(10, 15))}
 
 
+@pytest.mark.parametrize("groups_of_clients", [2, 3])
+def test_auto_k_finds_groups_of_identical_distributions(groups_of_clients):
+    # #C=k partitions give many clients exactly the same distribution: K-means can only fit
+    # as many clusters as there are distinct points, and the elbow must still see them.
+    centres = np.eye(3)[:groups_of_clients] * 0.9 + 0.1 / 3
+    points = np.repeat(centres, 4, axis=0)
+    clustering = cluster_distributions(points, None, seed=0)
+    assert clustering.k == groups_of_clients
+    assert len(clustering.inertias) == min(10, len(points))
+    assert set(clustering.inertias[groups_of_clients - 1:]) == {0.0} and clustering.inertias[0] > 0
+
+
 def test_nearest_cluster():
     centres = np.array([A, B, C])
     assert nearest_cluster(np.array([0.4, 0.4, 0.1, 0.1]), centres) == 0

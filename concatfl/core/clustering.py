@@ -144,12 +144,19 @@ def elbow(inertias: Sequence[float]) -> int:
 def choose_k_by_elbow(
     points: np.ndarray, seed: int, max_clusters: int = DEFAULT_MAX_CLUSTERS
 ) -> tuple[int, tuple[float, ...]]:
-    """(K at the elbow, inertia curve) over K = 1 … min(max_clusters, distinct points)."""
+    """(K at the elbow, inertia curve) over K = 1 … min(max_clusters, number of points).
+
+    From K = the number of distinct points on every point is a centre and the inertia is 0: the
+    curve keeps that flat tail (without running K-means) so that clients sharing a few exact
+    distributions show their elbow at that count instead of at the curve's last point.
+    """
     points = np.asarray(points, dtype=np.float64)
-    largest = min(max_clusters, _distinct_count(points))
+    distinct = _distinct_count(points)
     inertias = tuple(
         float(KMeans(n_clusters=k, n_init=KMEANS_RESTARTS, random_state=seed).fit(points).inertia_)
-        for k in range(1, largest + 1)
+        if k < distinct
+        else 0.0
+        for k in range(1, min(max_clusters, len(points)) + 1)
     )
     return elbow(inertias), inertias
 
