@@ -77,9 +77,28 @@ def test_reply_problem_non_finite(bad):
     assert "non-finite" in reply_problem(_content(_arrays(w=w)), TEMPLATE)
 
 
-@pytest.mark.parametrize("num_examples", [0, -5, 0.0, float("nan"), float("inf"), [1, 2]])
+def test_reply_problem_data_that_contradicts_its_header():
+    # The header says (2, 3) float32, the bytes hold 5 float32s: averaging would broadcast them.
+    w = Array(dtype="float32", shape=(2, 3), stype=TEMPLATE["w"].stype, data=Array(np.ones(5, np.float32)).data)
+    arrays = _arrays()
+    arrays["w"] = w
+    assert reply_problem(_content(arrays), TEMPLATE) == "data of 'w' is (5,) float32, not the (2, 3) float32 its header declares"
+
+
+@pytest.mark.parametrize(("stype", "data"), [("numpy.ndarray", b"not an npy file"), ("torch.Tensor", b"")])
+def test_reply_problem_undecodable_array_is_a_reason_not_a_crash(stype, data):
+    arrays = _arrays()
+    arrays["b"] = Array(dtype="float32", shape=(3,), stype=stype, data=data)
+    assert reply_problem(_content(arrays), TEMPLATE).startswith("'b' does not decode as a numpy array")
+
+
+@pytest.mark.parametrize("num_examples", [0, -5, 0.0, 0.5, 2.5, float("nan"), float("inf"), [1, 2]])
 def test_reply_problem_bad_num_examples(num_examples):
-    assert "positive number" in reply_problem(_content(_arrays(), num_examples), TEMPLATE)
+    assert "whole positive number" in reply_problem(_content(_arrays(), num_examples), TEMPLATE)
+
+
+def test_reply_problem_accepts_a_whole_float_num_examples():
+    assert reply_problem(_content(_arrays(), 12.0), TEMPLATE) is None
 
 
 def test_reply_problem_missing_num_examples():

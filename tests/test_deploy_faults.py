@@ -38,9 +38,8 @@ from .e2e import leftover_processes
 
 MISBEHAVING_APP = PROJECT_DIR / "tests/apps/misbehaving"
 # How a dead node's miss is recorded: no reply within round-timeout, or the SuperLink's error
-# reply once the node's heartbeat expired. (concatfl 0.1's `collect` matches replies by source
-# node, and the SuperLink's error reply comes from node 0, so today it is logged as unexpected
-# and the miss reads "no reply before the round timeout".)
+# reply once the node's heartbeat expired (`collect` files it under the node it was sent to by
+# the id of the message it answers; its source is the SuperLink).
 MISSING_REASONS = ("no reply before the round timeout", "error reply: Error: Node Unavailable")
 
 
@@ -59,7 +58,7 @@ def test_each_fault_of_the_misbehaving_client_is_one_that_validation_rejects():
     client = _load_misbehaving_client()
     template = ArrayRecord({"w": Array(np.ones((2, 2), dtype=np.float32)), "b": Array(np.zeros(2, dtype=np.float32))})
     request = Message(RecordDict({"arrays": template}), dst_node_id=1, message_type=MessageType.TRAIN)
-    expected = {"nan": "non-finite", "shape": "shape of", "negative": "must be a positive number"}
+    expected = {"nan": "non-finite", "shape": "shape of", "negative": "must be a whole positive number"}
     assert [client.fault_of_round(r) for r in (1, 2, 3, 4)] == ["nan", "shape", "negative", "nan"]
     for fault, reason in expected.items():
         content = RecordDict({"arrays": ArrayRecord(dict(template.items())), "metrics": MetricRecord({"num-examples": 5})})

@@ -124,8 +124,9 @@ def reply_problem(
 ) -> str | None:
     """Why a reply's content is unusable, or None when it is fine.
 
-    Checks the reply against the model that was sent (same keys, shapes and dtypes), that
-    every array is finite, and that ``metrics["num-examples"]`` is a positive number.
+    Checks the reply against the model that was sent (same keys, shapes and dtypes, in each
+    array's header and in its decoded data: the client writes both), that every array is
+    finite, and that ``metrics["num-examples"]`` is a whole number ≥ 1.
     """
     if template is not None:
         arrays = content.array_records.get(ARRAYS_KEY)
@@ -141,7 +142,15 @@ def reply_problem(
                 return f"shape of '{key}' is {tuple(got.shape)}, expected {tuple(expected.shape)}"
             if got.dtype != expected.dtype:
                 return f"dtype of '{key}' is {got.dtype}, expected {expected.dtype}"
-            values = got.numpy()
+            try:
+                values = got.numpy()
+            except Exception as error:  # pylint: disable=broad-except  # client bytes must never crash the server
+                return f"'{key}' does not decode as a numpy array ({type(error).__name__}: {error})"
+            if values.shape != tuple(expected.shape) or str(values.dtype) != expected.dtype:
+                return (
+                    f"data of '{key}' is {values.shape} {values.dtype}, not the {tuple(expected.shape)} "
+                    f"{expected.dtype} its header declares"
+                )
             if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
                 return f"non-finite values (NaN/Inf) in '{key}'"
     if require_num_examples:
@@ -149,8 +158,13 @@ def reply_problem(
         if metrics is None or NUM_EXAMPLES_KEY not in metrics:
             return f"no '{METRICS_KEY}' MetricRecord with '{NUM_EXAMPLES_KEY}'"
         num_examples = metrics[NUM_EXAMPLES_KEY]
-        if isinstance(num_examples, list) or not math.isfinite(num_examples) or num_examples <= 0:
-            return f"'{NUM_EXAMPLES_KEY}' must be a positive number, got {num_examples!r}"
+        if (
+            isinstance(num_examples, list)
+            or not math.isfinite(num_examples)
+            or num_examples < 1
+            or num_examples != int(num_examples)
+        ):
+            return f"'{NUM_EXAMPLES_KEY}' must be a whole positive number, got {num_examples!r}"
     return None
 
 
