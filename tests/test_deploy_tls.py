@@ -1,18 +1,24 @@
 """TLS and SuperNode authentication with real processes (scripts/make-certs.sh, no hand steps).
 
 A SuperLink with TLS and `--enable-supernode-auth` accepts exactly the SuperNodes whose public
-keys were registered (`flwr supernode register`); a SuperNode with an unregistered key, and one
-that does not trust the CA, cannot join; the two registered ones complete a FedAvg job.
+keys were registered (with `deploy/register-supernodes.sh`, as docker-compose does); a SuperNode
+with an unregistered key, and one that does not trust the CA, cannot join; the two registered
+ones complete a FedAvg job. The SuperLink's health service answers `deploy/healthcheck.py`
+(compose's healthcheck).
 """
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
 
-from concatfl.launch import FlowerSession, superlink_security, supernode_security
+from concatfl.launch import CONNECTION, PROJECT_DIR, FlowerSession, free_port, superlink_security, supernode_security
 from concatfl.metrics import read_metrics
 
-from .deploy import DEPLOY_RUN, FAST_POLLING, make_certificates, online_node_ids, start_authenticated_nodes, wait_for
+from .deploy import DEPLOY_RUN, FAST_POLLING, Node, make_certificates, online_node_ids, start_authenticated_node, wait_for
 from .e2e import leftover_processes
 
 pytestmark = pytest.mark.e2e
@@ -21,14 +27,24 @@ pytestmark = pytest.mark.e2e
 def test_tls_with_supernode_authentication_admits_only_registered_nodes(tmp_path):
     certificates = make_certificates(tmp_path / "certs", num_supernodes=3)
     output = tmp_path / "output"
+    health = f"127.0.0.1:{free_port()}"
     with FlowerSession(
         tmp_path,
         simulation=False,
-        superlink_args=superlink_security(certificates, supernode_auth=True),
+        superlink_args=(*superlink_security(certificates, supernode_auth=True), f"--health-server-address={health}"),
         root_certificates=certificates.ca_cert,
         env=FAST_POLLING,
     ) as session:
-        nodes = start_authenticated_nodes(session, certificates, [0, 1], num_partitions=2)
+        assert _healthcheck(health) == 0
+        assert _healthcheck(f"127.0.0.1:{free_port()}") == 1  # nothing serves there
+        keys = [str(certificates.supernode_public_key(i)) for i in (0, 1)]
+        registered_ids = [int(n) for n in re.findall(r'"node-id": (\d+)', _register(session, keys))]
+        assert len(registered_ids) == 2
+        assert _register(session, keys).count("already registered") == 2  # running it again is harmless
+        nodes = {
+            i: Node(i, node_id, start_authenticated_node(session, certificates, i, num_partitions=2))
+            for i, node_id in zip((0, 1), registered_ids)
+        }
         # Key pair 2 exists but was never registered; the last node has a registered key but
         # trusts only the system CAs, not ours.
         unregistered = session.start_supernode(
@@ -41,8 +57,9 @@ def test_tls_with_supernode_authentication_admits_only_registered_nodes(tmp_path
         )
         registered = {node.node_id for node in nodes.values()}
         wait_for(lambda: online_node_ids(session) == registered, 60, "the two registered nodes online")
-        assert wait_for(lambda: unregistered.poll() is not None, 60, "the unregistered node to give up") != 0
-        assert wait_for(lambda: untrusting.poll() is not None, 60, "the node without the CA to give up") != 0
+        wait_for(lambda: unregistered.poll() is not None, 60, "the unregistered node to give up")
+        wait_for(lambda: untrusting.poll() is not None, 60, "the node without the CA to give up")
+        assert unregistered.returncode != 0 and untrusting.returncode != 0
         assert "Failed to activate SuperNode" in (tmp_path / "unregistered.log").read_text()
         assert "CERTIFICATE_VERIFY_FAILED" in (tmp_path / "no-ca.log").read_text()
         assert online_node_ids(session) == registered  # the SuperLink's node list, after both failed
@@ -55,3 +72,18 @@ def test_tls_with_supernode_authentication_admits_only_registered_nodes(tmp_path
     assert hop["replies"] == 2 and hop["misses"] == []
     assert metrics["final_accuracy"] > metrics["initial"]["accuracy"]
     assert leftover_processes(tmp_path) == []
+
+
+def _register(session: FlowerSession, public_keys: list[str]) -> str:
+    """deploy/register-supernodes.sh against the session's SuperLink; its output."""
+    done = subprocess.run(
+        ["bash", str(PROJECT_DIR / "deploy/register-supernodes.sh"), CONNECTION, *public_keys],
+        env=session.env, capture_output=True, text=True, timeout=120, check=True,
+    )
+    return done.stdout
+
+
+def _healthcheck(address: str) -> int:
+    """Exit code of deploy/healthcheck.py against `address`."""
+    command = [sys.executable, str(PROJECT_DIR / "deploy/healthcheck.py"), address]
+    return subprocess.run(command, capture_output=True, timeout=30).returncode
