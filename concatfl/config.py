@@ -187,6 +187,11 @@ class RunConfig:
                 ) from None
             _at_least("fedconcat-clusters", clusters, 1)
         _at_least("fedconcat-dp-epsilon", self.fedconcat_dp_epsilon, 0.0)
+        if self.fedconcat_dp_epsilon > 0 and self.strategy != "fedconcat":
+            raise ConfigError(
+                "fedconcat-dp-epsilon adds Laplace noise to the label distributions clients report in "
+                f"strategy='fedconcat'; strategy={self.strategy!r} reports none (set it to 0)"
+            )
         _at_least("fedconcat-id-samples", self.fedconcat_id_samples, 1)
         _at_least("fedconcat-encoder-rounds", self.fedconcat_encoder_rounds, 1)
         _at_least("fedconcat-classifier-rounds", self.fedconcat_classifier_rounds, 1)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .data.datasets import LoadedData, load_dataset
 from .data.partition import local_split, partition_indices
 from .data.transforms import train_augmentation
@@ -88,6 +88,22 @@ def load_client_data(config: RunConfig, partition_id: int, num_partitions: int) 
     )
 
 
+def check_fits_data(config: RunConfig, data: LoadedData) -> None:
+    """Raise ConfigError, naming the key, for values that only the loaded dataset can refute."""
+    if config.partition == "classes" and config.classes_per_client > data.num_classes:
+        raise ConfigError(
+            f"classes-per-client={config.classes_per_client} exceeds the {data.num_classes} classes of "
+            f"dataset='{config.dataset}'"
+        )
+    try:
+        make_model(config, data)
+    except ValueError as error:
+        raise ConfigError(
+            f"model='{config.model}' does not fit dataset='{config.dataset}' "
+            f"(inputs {tuple(data.input_shape)}): {error}"
+        ) from None
+
+
 @dataclass
 class ServerEnv:
     """The server's view: dataset, model factory, device and the global evaluation set.
@@ -107,8 +123,10 @@ class ServerEnv:
 
     @classmethod
     def from_config(cls, config: RunConfig) -> ServerEnv:
-        """Load the dataset and pick the device named by the run config."""
-        return cls(config=config, data=load_data(config), device=pick_device(config.device))
+        """Load the dataset, check the keys that depend on it, pick the device named by the run config."""
+        data = load_data(config)
+        check_fits_data(config, data)
+        return cls(config=config, data=data, device=pick_device(config.device))
 
     @property
     def num_classes(self) -> int:

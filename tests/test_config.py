@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from concatfl.config import ConfigError, RunConfig, known_keys
+from concatfl.runtime import ServerEnv
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -86,6 +87,8 @@ INVALID = [
     ({"fedconcat-clusters": "0"}, "fedconcat-clusters"),
     ({"fedconcat-clusters": "-3"}, "fedconcat-clusters"),
     ({"fedconcat-dp-epsilon": -1.0}, "fedconcat-dp-epsilon"),
+    ({"fedconcat-dp-epsilon": 1.0, "strategy": "fedconcat-id"}, "fedconcat-dp-epsilon"),
+    ({"fedconcat-dp-epsilon": 1.0, "strategy": "fedavg"}, "fedconcat-dp-epsilon"),
     ({"fedconcat-classifier-steps": 0}, "fedconcat-classifier-steps"),
     ({"partition": "natural", "dataset": "digits"}, "partition"),
     ({"learning-rate": 0.1}, "learning-rate"),
@@ -109,6 +112,16 @@ def test_a_distribution_metric_is_only_checked_where_greedy_grouping_uses_it():
     for grouping in ("kmeans", "random"):
         config = RunConfig.from_mapping({"fedseq-approximator": "clf", "fedseq-grouping": grouping})
         assert config.fedseq_metric == "kl"
+
+
+@pytest.mark.parametrize(
+    ("values", "key"),
+    [({"model": "lenet5"}, "model='lenet5'"), ({"partition": "classes", "classes-per-client": 11}, "classes-per-client")],
+)
+def test_values_the_dataset_refutes_fail_when_the_server_loads_it(values, key):
+    config = RunConfig.from_mapping(values)  # digits: 8x8 inputs, 10 classes
+    with pytest.raises(ConfigError, match=key):
+        ServerEnv.from_config(config)
 
 
 def test_configerror_is_a_valueerror():

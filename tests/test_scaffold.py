@@ -59,6 +59,7 @@ def test_server_update_by_hand():
     np.testing.assert_allclose(control["w"], [0.5, 0.0], atol=1e-7)  # c + (2, 0)/N
     model, _ = scaffold_server_update(x, c, deltas, control_deltas, server_lr=2.0, num_clients=4)
     np.testing.assert_allclose(model["w"], [1.2, 1.4], atol=1e-6)
+    assert model["n"] == 5  # η_g scales only the arrays with control variates, not buffers
 
 
 # ---------------------------------------------------------------------- strategy with a FakeGrid

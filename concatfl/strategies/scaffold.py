@@ -55,11 +55,16 @@ def scaffold_server_update(
     server_lr: float,
     num_clients: int,
 ) -> tuple[State, State]:
-    """(x, c) after one round: x + η_g·mean(Δy_i) and c + Σ Δc_i / N, each array keeping its dtype
-    (integer buffers such as BatchNorm's `num_batches_tracked` are rounded)."""
+    """(x, c) after one round: x + η_g·mean(Δy_i) and c + Σ Δc_i / N, each array keeping its dtype.
+
+    η_g scales the arrays that have control variates (the parameters); the others (BatchNorm's
+    running statistics and `num_batches_tracked`, rounded) move by the plain mean of their deltas,
+    since a scaled running variance could turn negative.
+    """
     new_model = {}
     for key, value in model.items():
-        step = server_lr * np.mean([delta[key].astype(np.float64) for delta in model_deltas], axis=0)
+        rate = server_lr if key in control else 1.0
+        step = rate * np.mean([delta[key].astype(np.float64) for delta in model_deltas], axis=0)
         moved = value.astype(np.float64) + step
         new_model[key] = (np.rint(moved) if np.issubdtype(value.dtype, np.integer) else moved).astype(value.dtype)
     new_control = {
