@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from logging import INFO, WARNING
+from logging import WARNING
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
@@ -90,7 +90,12 @@ class StableNodeGrid(Grid):
                 log(WARNING, "Node %s did not report a partition-id; it keeps its Flower node id", node_id)
             previous = self._flower_of.get(stable)
             if previous is not None and previous != node_id:
-                log(INFO, "Partition %s moved from node %s to node %s", stable, previous, node_id)
+                log(
+                    WARNING,
+                    "Partition %s is now served by node %s; node %s, which served it, is hidden "
+                    "(a restarted SuperNode, or two SuperNodes configured with the same partition-id)",
+                    stable, node_id, previous,
+                )
             self._stable_of[node_id] = stable
             self._flower_of[stable] = node_id
 

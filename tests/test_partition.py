@@ -220,3 +220,10 @@ def test_local_split_deterministic_and_depends_on_seed_and_partition():
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert not np.array_equal(first[1], local_split(indices, 0.2, seed=1, partition_id=1)[1])
     assert not np.array_equal(first[1], local_split(indices, 0.2, seed=0, partition_id=2)[1])
+
+
+def test_dirichlet_minimum_above_half_the_mean_is_lowered_with_a_warning(caplog):
+    # 4 clients of the synthetic labels: a minimum of half of all samples can never be met.
+    parts = partition_indices(SYNTH, 4, "dirichlet", alpha=1.0, min_partition_size=len(SYNTH) // 2, seed=0)
+    assert min(len(p) for p in parts) >= len(SYNTH) // 8
+    assert f"min-partition-size={len(SYNTH) // 2} lowered to {len(SYNTH) // 8}" in caplog.text

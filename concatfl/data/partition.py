@@ -15,9 +15,11 @@ Each client's partition is then split into a local train and a local test part.
 from __future__ import annotations
 
 import warnings
+from logging import WARNING
 
 import numpy as np
 from datasets import Dataset
+from flwr.supercore import log
 from flwr_datasets.partitioner import (
     DirichletPartitioner,
     IidPartitioner,
@@ -58,12 +60,19 @@ def partition_indices(
     if scheme == "iid":
         partitioner = IidPartitioner(num_partitions=num_partitions)
     elif scheme == "dirichlet" and alpha > 0:
+        # flwr-datasets gives up when the minimum nears the mean size: cap it at half the mean.
+        minimum = max(1, min(min_partition_size, len(labels) // (2 * num_partitions)))
+        if minimum < min_partition_size:
+            log(
+                WARNING,
+                "min-partition-size=%d lowered to %d (half the mean partition size of %d clients)",
+                min_partition_size, minimum, num_partitions,
+            )
         partitioner = DirichletPartitioner(
             num_partitions=num_partitions,
             partition_by="label",
             alpha=alpha,
-            # flwr-datasets gives up when the minimum nears the mean size: cap it at half the mean.
-            min_partition_size=max(1, min(min_partition_size, len(labels) // (2 * num_partitions))),
+            min_partition_size=minimum,
             self_balancing=True,
             shuffle=True,
             seed=seed,
