@@ -76,7 +76,11 @@ def train_handler(message: Message, context: Context) -> Message:
         device=device,
         control=message.content.array_records.get(CONTROL_KEY),
     )
-    seed = int(settings.get("server-round", 0)) * 100_003 + int(context.node_config["partition-id"])
+    seed = (
+        int(settings.get("server-round", 0)) * 100_003
+        + int(settings.get("chain-pass", 0)) * 10_000_019
+        + int(context.node_config["partition-id"])
+    )
     started = time.perf_counter()
     loss = train(
         model,

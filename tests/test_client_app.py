@@ -89,6 +89,14 @@ def test_train_is_deterministic_for_the_same_round_and_partition():
     assert all(np.array_equal(first[key], again[key]) for key in first)
 
 
+def test_a_later_pass_of_a_fedseq_chain_shuffles_differently():
+    first = _numpy(_train({"server-round": 2, "chain-pass": 0}).content.array_records["arrays"])
+    unmarked = _numpy(_train({"server-round": 2}).content.array_records["arrays"])
+    second = _numpy(_train({"server-round": 2, "chain-pass": 1}).content.array_records["arrays"])
+    assert all(np.array_equal(first[key], unmarked[key]) for key in first)
+    assert any(not np.array_equal(first[key], second[key]) for key in first)
+
+
 @pytest.mark.parametrize("override", [{"local-epochs": 3}, {"lr": 0.3}])
 def test_message_config_overrides_change_the_result(override):
     base = _train({"server-round": 1}).content.array_records["arrays"]

@@ -251,6 +251,9 @@ def test_each_client_receives_its_predecessors_model_and_the_average_is_weighted
         assert all(seen[(n, server_round)] == superclient_epochs for n in visited)
         assert len(record["hops"]) == superclient_epochs * max(len(e["order"]) for e in record["superclients"])
         assert close(models[server_round], expected_average(ends, weights))
+    for client in clients.values():  # each visit says which pass of the chain it is
+        passes = [int(c["chain-pass"]) for c in client.configs if int(c["server-round"]) == 1]
+        assert passes == list(range(superclient_epochs))
 
 
 def test_hops_record_bytes_seconds_and_superclient_orders():

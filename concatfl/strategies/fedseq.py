@@ -368,8 +368,13 @@ class FedSeq(RelayStrategy):
         settings: dict[str, Any] = {**dict(config), "server-round": server_round, "proximal-mu": self.proximal_mu}
         if self.feddyn is not None:
             settings.update(self.feddyn.settings())
+        # "chain-pass" (0 … E_S − 1) lets a client shuffle differently when the chain comes back.
         return [
-            Request(chain.order[hop], train_content(chain.model, settings), tag=chain.superclient)
+            Request(
+                chain.order[hop],
+                train_content(chain.model, {**settings, "chain-pass": hop * self.superclient_epochs // len(chain.order)}),
+                tag=chain.superclient,
+            )
             for chain in self._chains
             if hop < len(chain.order)
         ]
