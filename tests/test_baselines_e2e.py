@@ -1,4 +1,5 @@
-"""SCAFFOLD, FedAvg + FedDyn and FedSeq + FedDyn end to end: real `flwr run` simulations on digits."""
+"""Each baseline end to end (SCAFFOLD; FedDyn, MOON, FedRS, FedLC with FedAvg; FedSeq + FedDyn): real
+`flwr run` simulations on digits, 4 clients, 2 rounds."""
 
 from __future__ import annotations
 
@@ -24,13 +25,17 @@ MODEL_BYTES = 55_210 * 4  # the digits MLP's float32 parameters
             "fedseq-min-samples": 500,  # ~287 samples per client: superclients of two clients
             "min-available-nodes": 4,
         },
+        {"strategy": "fedavg", "local-objective": "moon"},
+        {"strategy": "fedavg", "local-objective": "fedrs", "partition": "dirichlet", "alpha": 0.1},
+        {"strategy": "fedavg", "local-objective": "fedlc", "partition": "dirichlet", "alpha": 0.1},
     ],
-    ids=["scaffold", "fedavg+feddyn", "fedseq+feddyn"],
+    ids=["scaffold", "fedavg+feddyn", "fedseq+feddyn", "fedavg+moon", "fedavg+fedrs", "fedavg+fedlc"],
 )
 def test_baseline_runs_end_to_end_and_learns(tmp_path, run_config):
     metrics = run_simulation(tmp_path, {"num-server-rounds": 2, **run_config}, num_supernodes=4)
 
     assert metrics["strategy"] == run_config["strategy"] and len(metrics["rounds"]) == 2
+    assert metrics["run_config"]["local-objective"] == run_config.get("local-objective", "sgd")
     for record in metrics["rounds"]:
         assert all(hop["misses"] == [] for hop in record["hops"])
         assert record["aggregated"]
@@ -38,7 +43,7 @@ def test_baseline_runs_end_to_end_and_learns(tmp_path, run_config):
             # x and c down, Δy and Δc up, for each of the 4 nodes: twice FedAvg's bytes
             assert 2 * 4 * MODEL_BYTES < record["bytes_sent"] < 1.05 * 2 * 4 * MODEL_BYTES
             assert 2 * 4 * MODEL_BYTES < record["bytes_received"] < 1.05 * 2 * 4 * MODEL_BYTES
-        else:
+        elif run_config.get("local-objective") == "feddyn":
             assert record["feddyn_h_norm"] > 0
     if run_config["strategy"] == "fedseq":
         assert metrics["setup"]["num_superclients"] == 2

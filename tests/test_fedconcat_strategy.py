@@ -327,19 +327,19 @@ def test_bad_encoder_replies_are_left_out(fault):
         np.testing.assert_allclose(fed.cluster_models[0][key].numpy(), value.numpy())
 
 
-def test_a_cluster_without_any_valid_reply_keeps_its_model():
+def test_a_cluster_that_never_trained_is_left_out_of_the_concatenation():
     federation = Federation()
-    for node in (0, 1, 2):
+    for node in (0, 1, 2):  # every member of cluster 0
         federation.faults[(node, "train")] = drop
     fed = strategy(encoder_rounds=1, classifier_rounds=1)
     torch.manual_seed(0)
     initial = numpy_of(ArrayRecord(make_model().state_dict()))
-    run(fed, federation.grid())
-    for key, value in initial.items():
-        np.testing.assert_array_equal(fed.cluster_models[0][key].numpy(), value)
-    assert not np.array_equal(
-        fed.cluster_models[1]["classifier.weight"].numpy(), initial["classifier.weight"]
-    )
+    result = run(fed, federation.grid())
+    assert fed.history[1]["untrained_clusters"] == [0]
+    assert len(fed.cluster_models) == 1 and fed.cluster_updates == [1]
+    assert not np.array_equal(fed.cluster_models[0]["classifier.weight"].numpy(), initial["classifier.weight"])
+    encoders = {key.split(".")[1] for key in result.arrays.keys() if key.startswith("encoders.")}
+    assert encoders == {"0"}  # one encoder: cluster 1's
 
 
 def test_cluster_models_are_evaluated_at_the_end_of_the_encoder_stage():

@@ -234,6 +234,7 @@ class FedConcat(RelayStrategy):
         # Stage state (all of it in state_dict()).
         self.assignment: dict[int, int] = {}
         self.cluster_models: list[ArrayRecord] = []
+        self.cluster_updates: list[int] = []  # stage-2 aggregations per cluster
         self.encoders: ArrayRecord | None = None
         self.encoders_id = ""
         self.classifier: ArrayRecord | None = None
@@ -290,6 +291,7 @@ class FedConcat(RelayStrategy):
             )
         # Shared, never mutated: aggregation replaces a cluster's record with a new one.
         self.cluster_models = [initial_arrays] * clustering.k
+        self.cluster_updates = [0] * clustering.k
         clusters = []
         for cluster in range(clustering.k):
             members = self.members(cluster)
@@ -493,6 +495,7 @@ class FedConcat(RelayStrategy):
                 self.cluster_models[cluster] = weighted_average(
                     [r.arrays for r in replies], [r.num_examples for r in replies]
                 )
+                self.cluster_updates[cluster] += 1
         if server_round == self.encoder_rounds and self.evaluate_model is not None:
             self.record("cluster_evaluation", self._evaluate_clusters())
         if not hop.replies:
@@ -543,7 +546,18 @@ class FedConcat(RelayStrategy):
         return ArrayRecord(concat_state_dict(states, classifier_from_heads(states)))
 
     def _concatenate(self) -> None:
-        """Start of stage 3: freeze the encoders, initialize the classifier, fingerprint the encoders."""
+        """Start of stage 3: freeze the encoders, initialize the classifier, fingerprint the encoders.
+
+        A cluster none of whose members ever replied in stage 2 still holds the initial weights:
+        its encoder is left out (K shrinks, logged), unless no cluster trained at all.
+        """
+        untrained = [cluster for cluster, count in enumerate(self.cluster_updates) if count == 0]
+        if untrained and len(untrained) < len(self.cluster_models):
+            log(WARNING, "Stage 3: clusters %s never trained in stage 2; their encoders are left out", untrained)
+            self.record("untrained_clusters", untrained)
+            trained = [cluster for cluster, count in enumerate(self.cluster_updates) if count > 0]
+            self.cluster_models = [self.cluster_models[cluster] for cluster in trained]
+            self.cluster_updates = [self.cluster_updates[cluster] for cluster in trained]
         states = self._cluster_states()
         if self.init_classifier:
             head = classifier_from_heads(states)
@@ -637,6 +651,7 @@ class FedConcat(RelayStrategy):
         state["fedconcat"] = {
             "assignment": dict(self.assignment),
             "cluster_models": [_to_numpy(model) for model in self.cluster_models],
+            "cluster_updates": list(self.cluster_updates),
             "encoders": None if self.encoders is None else _to_numpy(self.encoders),
             "encoders_id": self.encoders_id,
             "classifier": None if self.classifier is None else _to_numpy(self.classifier),
@@ -651,6 +666,7 @@ class FedConcat(RelayStrategy):
         saved = state["fedconcat"]
         self.assignment = {int(node): int(cluster) for node, cluster in saved["assignment"].items()}
         self.cluster_models = [_from_numpy(arrays) for arrays in saved["cluster_models"]]
+        self.cluster_updates = list(saved["cluster_updates"])
         self.encoders = None if saved["encoders"] is None else _from_numpy(saved["encoders"])
         self.encoders_id = saved["encoders_id"]
         self.classifier = None if saved["classifier"] is None else _from_numpy(saved["classifier"])
