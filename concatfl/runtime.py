@@ -96,7 +96,8 @@ def check_fits_data(config: RunConfig, data: LoadedData) -> None:
             f"dataset='{config.dataset}'"
         )
     try:
-        make_model(config, data)
+        with torch.random.fork_rng(devices=[]):  # the probe must not move the run's seeded generator
+            make_model(config, data)
     except ValueError as error:
         raise ConfigError(
             f"model='{config.model}' does not fit dataset='{config.dataset}' "

@@ -7,6 +7,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from concatfl.config import ConfigError, RunConfig, known_keys
 from concatfl.runtime import ServerEnv
@@ -122,6 +123,14 @@ def test_values_the_dataset_refutes_fail_when_the_server_loads_it(values, key):
     config = RunConfig.from_mapping(values)  # digits: 8x8 inputs, 10 classes
     with pytest.raises(ConfigError, match=key):
         ServerEnv.from_config(config)
+
+
+def test_checking_the_model_against_the_data_leaves_the_seeded_generator_alone():
+    torch.manual_seed(0)
+    ServerEnv.from_config(RunConfig())
+    after_check = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(after_check, torch.rand(3))
 
 
 def test_configerror_is_a_valueerror():
