@@ -12,6 +12,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from concatfl.config import RunConfig
 from concatfl.strategies import FedAvg, FedProx, build_strategy
 from concatfl.strategies.fedavg import build, sample_count
+from concatfl.strategies.common import message_bytes
 from tests.fakes import BIG_IDS, FakeGrid, reply_with
 
 INITIAL = ArrayRecord(
@@ -283,6 +284,10 @@ def test_federated_evaluation_sends_evaluate_messages_and_aggregates():
     expected = (10 * 0.1 + 20 * 0.2 + 30 * 0.3) / 60
     assert result.evaluate_metrics_clientapp[1]["accuracy"] == pytest.approx(expected)
     assert strategy.history[0]["federated_evaluation"]["accuracy"] == pytest.approx(expected)
+    record, train_hop = strategy.history[0], strategy.history[0]["hops"][0]
+    assert record["evaluation_bytes"]["sent"] == sum(message_bytes(m) for m in evaluate)
+    assert record["bytes_sent"] == train_hop["bytes_sent"] + record["evaluation_bytes"]["sent"]
+    assert record["bytes_received"] == train_hop["bytes_received"] + record["evaluation_bytes"]["received"] > 0
 
 
 def test_no_federated_evaluation_by_default():

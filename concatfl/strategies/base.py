@@ -37,6 +37,7 @@ from .common import (
     Request,
     collect,
     live_node_ids,
+    message_bytes,
     relay,
     reply_problem,
     sample_nodes,
@@ -260,10 +261,14 @@ class RelayStrategy(Strategy):
                 "aggregated": changed,
                 **self._round_extras,
             }
-            federated = self._federated_evaluation(server_round, arrays, evaluate_config, grid)
+            federated, evaluation_bytes = self._federated_evaluation(server_round, arrays, evaluate_config, grid)
             if federated is not None:
                 result.evaluate_metrics_clientapp[server_round] = federated
                 record["federated_evaluation"] = dict(federated)
+            if evaluation_bytes is not None:
+                record["evaluation_bytes"] = evaluation_bytes
+                record["bytes_sent"] += evaluation_bytes["sent"]
+                record["bytes_received"] += evaluation_bytes["received"]
             if changed:
                 result.arrays = arrays
                 if evaluate_fn:
@@ -284,12 +289,15 @@ class RelayStrategy(Strategy):
 
     def _federated_evaluation(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> MetricRecord | None:
+    ) -> tuple[MetricRecord | None, dict[str, int] | None]:
+        """The aggregated client metrics and the bytes the evaluation moved (None, None: no evaluation)."""
         messages = list(self.configure_evaluate(server_round, arrays, config, grid))
         if not messages:
-            return None
-        replies = grid.send_and_receive(messages, timeout=self.round_timeout)
-        return self.aggregate_evaluate(server_round, replies)
+            return None, None
+        sent = sum(message_bytes(message) for message in messages)
+        replies = list(grid.send_and_receive(messages, timeout=self.round_timeout))
+        received = sum(message_bytes(reply) for reply in replies)
+        return self.aggregate_evaluate(server_round, replies), {"sent": sent, "received": received}
 
 
 def _short(record: dict[str, Any]) -> str:
