@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -442,9 +443,10 @@ def _port_open(host: str, port: int, netns: str | None) -> bool:
 
 
 def parse_overrides(text: str) -> dict[str, Any]:
-    """`"k=v k2='s'"` (Flower's --run-config syntax) → dict, values parsed as TOML."""
+    """`"k=v k2='s t'"` (Flower's --run-config syntax) → dict, values parsed as TOML (a quoted
+    value may hold spaces)."""
     values: dict[str, Any] = {}
-    for item in text.split():
+    for item in shlex.split(text, posix=False):
         key, _, raw = item.partition("=")
         values[key] = tomllib.loads(f"v = {raw}")["v"]
     return values

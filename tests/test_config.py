@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from concatfl.config import ConfigError, RunConfig, known_keys
+from concatfl.launch import parse_overrides
 from concatfl.runtime import ServerEnv
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
@@ -213,3 +214,10 @@ def test_malformed_int_string_raises_configerror_not_bare_valueerror():
     with pytest.raises(ConfigError) as caught:
         RunConfig.from_mapping({"local-epochs": "--3"})
     assert "local-epochs" in str(caught.value)
+
+
+def test_launcher_overrides_parse_toml_values_and_quoted_spaces():
+    assert parse_overrides("lr=0.05 strategy='fedcat' data-dir='/data/my sets' fedcat-concat=false") == {
+        "lr": 0.05, "strategy": "fedcat", "data-dir": "/data/my sets", "fedcat-concat": False,
+    }
+    assert parse_overrides("") == {}
