@@ -15,7 +15,7 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
+import re
 import shutil
 import signal
 import socket
@@ -442,14 +442,16 @@ def _port_open(host: str, port: int, netns: str | None) -> bool:
     return subprocess.run(in_namespace([sys.executable, "-c", probe], netns), check=False).returncode == 0
 
 
+_OVERRIDE = re.compile(r"""([^\s=]+)=('[^']*'|"[^"]*"|[^\s'"]+)""")
+_OVERRIDES = re.compile(rf"\s*(?:{_OVERRIDE.pattern}\s*)*")
+
+
 def parse_overrides(text: str) -> dict[str, Any]:
     """`"k=v k2='s t'"` (Flower's --run-config syntax) → dict, values parsed as TOML (a quoted
     value may hold spaces)."""
-    values: dict[str, Any] = {}
-    for item in shlex.split(text, posix=False):
-        key, _, raw = item.partition("=")
-        values[key] = tomllib.loads(f"v = {raw}")["v"]
-    return values
+    if not _OVERRIDES.fullmatch(text):
+        raise ValueError(f"--run-config must be key=value pairs separated by spaces, got {text!r}")
+    return {key: tomllib.loads(f"v = {raw}")["v"] for key, raw in _OVERRIDE.findall(text)}
 
 
 def exit_on_sigterm() -> None:
@@ -467,9 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus-per-client", type=int, default=1)
     parser.add_argument("--gpus-per-client", type=float, default=0.0)
     args = parser.parse_args(argv)
+    try:
+        overrides = parse_overrides(args.run_config)
+    except ValueError as error:
+        parser.error(str(error))
     started = time.perf_counter()
     metrics = run_simulation(
-        parse_overrides(args.run_config),
+        overrides,
         args.num_supernodes,
         workdir=args.workdir,
         stream=True,

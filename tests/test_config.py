@@ -221,3 +221,9 @@ def test_launcher_overrides_parse_toml_values_and_quoted_spaces():
         "lr": 0.05, "strategy": "fedcat", "data-dir": "/data/my sets", "fedcat-concat": False,
     }
     assert parse_overrides("") == {}
+
+
+@pytest.mark.parametrize("text", ["lr", "lr=0.1 =3", "data-dir='/unclosed"])
+def test_launcher_rejects_overrides_it_cannot_read(text):
+    with pytest.raises(ValueError, match="key=value"):
+        parse_overrides(text)
