@@ -181,7 +181,7 @@ def test_misbehaving_client_is_rejected_and_accuracy_matches_a_clean_run(tmp_pat
     bad = nodes[2].node_id  # this app answers no identity query, so its nodes keep Flower's ids
     rejections = misses_of(faulty, bad)
     assert [round_ for round_, _ in rejections] == [1, 2, 3]
-    for (_, reason), expected in zip(rejections, ("non-finite values", "shape of", "'num-examples' must be a positive")):
+    for (_, reason), expected in zip(rejections, ("non-finite values", "shape of", "'num-examples' must be a whole positive")):
         assert reason.startswith("rejected: ") and expected in reason, reason
     for record in faulty["rounds"]:
         assert record["hops"][0]["replies"] == 2 and len(record["hops"][0]["misses"]) == 1
