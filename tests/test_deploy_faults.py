@@ -146,8 +146,9 @@ def test_fedseq_chain_continues_past_a_killed_supernode_which_rejoins(tmp_path):
     # 3 nodes of ~383 samples: one superclient (|D_S|min = 800) whose chain visits all three.
     config = {"strategy": "fedseq", "fedseq-pretrain-epochs": 1, "num-server-rounds": 2}
     # Train message 1 is stage 1's pre-training; the first node to get message 2 is the first of
-    # round 1's chain: it is killed, and the two later hops give it time to come back before
-    # round 2 starts (FedSeq drops a node for good if it is offline when a round starts).
+    # round 1's chain: it is killed. Its hop waits round-timeout (90 s), longer than the 60 s
+    # after which the SuperLink lets it back in, so it is back before round 2 starts (a node
+    # still away then would sit round 2 out and rejoin its superclient later).
     metrics, victim, restart_seconds = _kill_and_restart(tmp_path, config, 3, kill_at_train_message=2)
 
     missed = misses_of(metrics, victim)

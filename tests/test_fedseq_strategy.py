@@ -315,21 +315,27 @@ def test_a_superclient_without_any_successful_hop_contributes_nothing():
     assert close(models[1], only)
 
 
-def test_vanished_nodes_are_dropped_and_empty_superclients_disappear():
+def test_vanished_nodes_are_dropped_and_rejoin_their_superclient_when_back():
     clients = clients_for(8)
     grid = FakeGrid(clients)
     fedseq = strategy()
     run(fedseq, clients, 1, grid=grid)
-    gone_one = fedseq.superclients[0][0]
+    plan = {sid: list(members) for sid, members in fedseq.superclients.items()}
+    gone_one = plan[0][0]
     del grid.handlers[gone_one]
-    for node in fedseq.superclients[1]:
+    for node in plan[1]:
         del grid.handlers[node]
     sent_before = len(grid.sent)
     run(fedseq, clients, 2, grid=grid)
-    assert list(fedseq.superclients) == [0] and gone_one not in fedseq.superclients[0]
-    assert len(fedseq.superclients[0]) == 3
+    assert list(fedseq.superclients) == [0] and fedseq.superclients[0] == plan[0][1:]
     assert {m.metadata.dst_node_id for m in grid.sent[sent_before:]} == set(fedseq.superclients[0])
     assert fedseq.history[1]["superclients"][0]["samples"] == 30
+    grid.handlers.update(clients)  # all of them reconnect
+    sent_before = len(grid.sent)
+    run(fedseq, clients, 3, grid=grid)
+    assert fedseq.superclients == plan
+    assert {m.metadata.dst_node_id for m in grid.sent[sent_before:]} == set(clients)
+    assert fedseq.history[2]["superclients"][0]["samples"] == 40
 
 
 # ---------------------------------------------------------------------- FedSeqInter

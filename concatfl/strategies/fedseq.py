@@ -71,8 +71,9 @@ class FedSeq(RelayStrategy):
     whole chain `superclient_epochs` times. The new global model is the average of the
     superclient models weighted by their sample counts |D_S|. A client that misses its turn
     (no reply, error, invalid reply) is skipped: the model it was given goes on to the next
-    client. A node that left the grid is dropped from its superclient before the next round,
-    and a superclient left empty disappears. Clients that join after stage 1 are not used.
+    client. A node that left the grid is dropped from its superclient before the next round
+    (a superclient left empty disappears) and rejoins it in the first round it is connected
+    again. Clients that join after stage 1 are not used.
 
     Parameters
     ----------
@@ -205,7 +206,8 @@ class FedSeq(RelayStrategy):
         self.proximal_mu = proximal_mu
         self.feddyn = feddyn
         self.report_label_counts = report_label_counts
-        self.superclients: dict[int, list[int]] = {}
+        self.plan: dict[int, list[int]] = {}  # the superclients as stage 1 built them
+        self.superclients: dict[int, list[int]] = {}  # this round's: the plan's connected members
         self.client_samples: dict[int, int] = {}
         self._make_model = make_model
         self._normalization = normalization if normalization is not None else _identity
@@ -252,7 +254,8 @@ class FedSeq(RelayStrategy):
             merge=self.greedy_merge,
         )
         self.client_samples = dict(zip(node_ids, sizes))
-        self.superclients = {sid: [node_ids[c] for c in group] for sid, group in enumerate(groups)}
+        self.plan = {sid: [node_ids[c] for c in group] for sid, group in enumerate(groups)}
+        self.superclients = {sid: list(members) for sid, members in self.plan.items()}
         hops = [pretraining]
         report = self._grouping_report(groups, node_ids, sizes, vectors)
         if self.report_label_counts:
@@ -414,7 +417,7 @@ class FedSeq(RelayStrategy):
 
     def _start_round(self, arrays: ArrayRecord, grid: Grid) -> None:
         """Drop vanished nodes, select superclients, give each a start model and a shuffled chain."""
-        self._drop_vanished(set(live_node_ids(grid)))
+        self._follow_live_nodes(set(live_node_ids(grid)))
         self._chains, self._hops_done, self._round_metrics = [], 0, []
         self._round_start = arrays
         ids = sorted(self.superclients)
@@ -454,23 +457,26 @@ class FedSeq(RelayStrategy):
         self.record("feddyn_h_norm", self.feddyn.h_norm)
         return corrected
 
-    def _drop_vanished(self, live: set[int]) -> None:
-        """Remove nodes that left the grid from their superclient; drop emptied superclients."""
-        for sid in sorted(self.superclients):
-            gone = [node for node in self.superclients[sid] if node not in live]
-            if not gone:
-                continue
-            log(WARNING, "FedSeq: nodes %s left; dropped from superclient %s", gone, sid)
-            self.superclients[sid] = [node for node in self.superclients[sid] if node in live]
-            if not self.superclients[sid]:
+    def _follow_live_nodes(self, live: set[int]) -> None:
+        """This round's superclients: the plan's connected members. A node that left is dropped
+        from its superclient (an emptied superclient disappears) and rejoins it when it is back."""
+        current = {sid: [node for node in members if node in live] for sid, members in self.plan.items()}
+        for sid in sorted(self.plan):
+            before, now = self.superclients.get(sid, []), current[sid]
+            if gone := [node for node in before if node not in now]:
+                log(WARNING, "FedSeq: nodes %s left; dropped from superclient %s", gone, sid)
+            if back := [node for node in now if node not in before]:
+                log(INFO, "FedSeq: nodes %s are back in superclient %s", back, sid)
+            if before and not now:
                 log(WARNING, "FedSeq: superclient %s is empty and disappears", sid)
-                del self.superclients[sid]
+        self.superclients = {sid: members for sid, members in current.items() if members}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Base state plus the superclient plan, the sample counts and the exemplars."""
         return {
             **super().state_dict(),
+            "plan": {sid: list(nodes) for sid, nodes in self.plan.items()},
             "superclients": {sid: list(nodes) for sid, nodes in self.superclients.items()},
             "client_samples": dict(self.client_samples),
             "exemplars": self._exemplars.copy(),
@@ -480,6 +486,7 @@ class FedSeq(RelayStrategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s output and exclude the restored exemplars again."""
         super().load_state_dict(state)
+        self.plan = {int(sid): list(nodes) for sid, nodes in state["plan"].items()}
         self.superclients = {int(sid): list(nodes) for sid, nodes in state["superclients"].items()}
         self.client_samples = {int(node): int(n) for node, n in state["client_samples"].items()}
         self._exemplars = np.asarray(state["exemplars"], dtype=np.int64)
