@@ -472,8 +472,9 @@ DIGITS_SUITES: dict[str, Suite] = {
     ),
     "fedseq-digits": _single_setting(
         "fedseq-digits",
-        "digits, 50 clients, α=0 (one class per client), 30 rounds, fraction-train 0.2, "
-        "no local test split, min-samples 270 (10 clients per superclient)",
+        "digits, 50 clients, α=0 (one class per client), 30 rounds, fraction-train 0.2 (rows marked "
+        "0.4: 0.4), no local test split, min-samples 270 (10 clients per superclient, 5 superclients: "
+        "at 0.2 FedSeqInter has one slot and equals FedSeq, at 0.4 it has two)",
         50,
         {
             "dataset": "digits",
@@ -493,6 +494,9 @@ DIGITS_SUITES: dict[str, Suite] = {
             ("FedSeq (greedy+KL, weighted merge)", {"strategy": "fedseq", "fedseq-greedy-merge": "weighted"}),
             ("FedSeqInter (greedy+KL, paper's merge)", {"strategy": "fedseq-inter"}),
             ("FedSeq (random grouping)", {"strategy": "fedseq", "fedseq-grouping": "random"}),
+            ("FedAvg, 0.4", {"strategy": "fedavg", "fraction-train": 0.4}),
+            ("FedSeq (greedy+KL, paper's merge), 0.4", {"strategy": "fedseq", "fraction-train": 0.4}),
+            ("FedSeqInter (greedy+KL, paper's merge), 0.4", {"strategy": "fedseq-inter", "fraction-train": 0.4}),
         ],
         (
             Column("balance ratio (true labels)", setup_value("mean_balance_ratio_true")),
