@@ -220,11 +220,6 @@ class RunConfig:
                 f"proximal-mu > 0 adds FedProx's term, which local-objective={objective!r} does not combine "
                 "with; set proximal-mu=0"
             )
-        if objective == "feddyn" and self.strategy in ("fedconcat", "fedconcat-id"):
-            raise ConfigError(
-                f"local-objective='feddyn' needs the server's FedDyn correction, which strategy="
-                f"{self.strategy!r} (per-cluster FedAvg, then a head on cached features) does not provide"
-            )
         if objective in ("fedrs", "fedlc") and self.strategy == "fedconcat-id":
             raise ConfigError(
                 f"strategy='fedconcat-id' infers label distributions from the label bias of locally trained "

@@ -149,6 +149,22 @@ CASES = {
         4,
         3,
     ),
+    # FedDyn inside the clusters (real clients run its objective). Stopped in the classifier
+    # stage: the clients' g_k lives in their state, which a new simulation starts afresh, so
+    # only a stop after the encoder stage can end with exactly the uninterrupted model.
+    "fedconcat+feddyn": (
+        {
+            "strategy": "fedconcat",
+            "local-objective": "feddyn",
+            "feddyn-alpha": 0.1,
+            "partition": "classes",
+            "fedconcat-clusters": "2",
+            "fedconcat-encoder-rounds": 2,
+            "fedconcat-classifier-rounds": 2,
+        },
+        4,
+        3,
+    ),
 }
 
 

@@ -38,6 +38,7 @@ from concatfl.models import build_model
 from concatfl.runtime import ClientData, ServerEnv
 from concatfl.strategies import FedConcat, build_strategy
 from concatfl.strategies.common import weighted_average
+from concatfl.strategies.feddyn import FedDynServer, feddyn_server_update
 from concatfl.training import Normalization, evaluate, train
 from tests.fakes import FakeGrid, reply_with
 
@@ -325,6 +326,45 @@ def test_bad_encoder_replies_are_left_out(fault):
     )
     for key, value in expected.items():
         np.testing.assert_allclose(fed.cluster_models[0][key].numpy(), value.numpy())
+
+
+def test_feddyn_corrects_each_cluster_model_with_its_own_h():
+    alpha = 0.1
+    fed = strategy(encoder_rounds=1, classifier_rounds=1, feddyn=FedDynServer(alpha))
+    grid = Federation().grid()
+    run(fed, grid)
+    encoder_hop = hops_of(grid, "train")[0]
+    assert {(m.content["config"]["local-objective"], m.content["config"]["feddyn-alpha"]) for m in encoder_hop} == {
+        ("feddyn", alpha)
+    }
+    reference = Federation()
+    for cluster in range(2):
+        members = fed.members(cluster)
+        sent = [m for m in encoder_hop if m.metadata.dst_node_id in members]
+        replies = [reference.handler(m.metadata.dst_node_id)(m) for m in sent]
+        average = weighted_average(
+            [r.content["arrays"] for r in replies], [r.content["metrics"]["num-examples"] for r in replies]
+        )
+        previous = numpy_of(sent[0].content["arrays"])
+        h = {key: np.zeros_like(value) for key, value in previous.items()}  # h starts at 0
+        expected, _ = feddyn_server_update(
+            previous, [numpy_of(r.content["arrays"]) for r in replies], numpy_of(average), h, alpha, len(members)
+        )
+        for key, value in expected.items():
+            np.testing.assert_allclose(fed.cluster_models[cluster][key].numpy(), value, rtol=1e-6, atol=1e-7)
+    assert len(fed.history[0]["feddyn_h_norm"]) == 2 and min(fed.history[0]["feddyn_h_norm"]) > 0
+    restored = strategy(encoder_rounds=1, classifier_rounds=1, feddyn=FedDynServer(alpha))
+    restored.load_state_dict(fed.state_dict())
+    assert [s.h_norm for s in restored.cluster_feddyn] == [s.h_norm for s in fed.cluster_feddyn]
+
+
+def test_fedconcat_id_infers_labels_with_plain_sgd_under_feddyn():
+    fed = strategy(label_inference=True, id_samples=50, encoder_rounds=1, classifier_rounds=1, feddyn=FedDynServer(0.1))
+    grid = Federation().grid()
+    run(fed, grid)
+    inference, encoder = hops_of(grid, "train")[:2]
+    assert {m.content["config"]["local-objective"] for m in inference} == {"sgd"}
+    assert {m.content["config"]["local-objective"] for m in encoder} == {"feddyn"}
 
 
 def test_a_cluster_that_never_trained_is_left_out_of_the_concatenation():

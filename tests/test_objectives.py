@@ -183,7 +183,6 @@ def test_fedprox_and_sgd_with_mu_add_the_proximal_term():
         ({"strategy": "fedprox", "proximal-mu": 0.1, "local-objective": "feddyn"}, ("strategy", "local-objective")),
         ({"local-objective": "fedprox"}, ("local-objective", "proximal-mu")),
         ({"local-objective": "moon", "proximal-mu": 0.1}, ("local-objective", "proximal-mu")),
-        ({"local-objective": "feddyn", "strategy": "fedconcat"}, ("local-objective", "strategy")),
         ({"local-objective": "fedrs", "strategy": "fedconcat-id"}, ("local-objective", "strategy")),
         ({"local-objective": "adam"}, ("local-objective",)),
         ({"feddyn-alpha": 0.0}, ("feddyn-alpha",)),

@@ -80,6 +80,7 @@ from .common import (
     weighted_average,
 )
 from .fedavg import sample_count
+from .feddyn import FedDynServer, from_config as feddyn_from_config
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -143,6 +144,12 @@ class FedConcat(RelayStrategy):
     fraction_train : float (default: 1.0)
         Fraction of nodes sampled per round: inside each cluster in the encoder rounds, among
         all clustered nodes in the classifier rounds (at least one node either way).
+    feddyn : FedDynServer | None (default: None)
+        With ``local-objective='feddyn'``: FedDyn inside each cluster's FedAvg. Every cluster
+        keeps its own h (a copy of this one's settings; m = the cluster's size) and its encoder
+        rounds ask the members for FedDyn's objective. FedConcat-ID's label-inference round
+        trains with plain SGD: its models only serve to infer distributions, and a g_k moved
+        there would have no server step to match. The head trains on cached features as always.
     model_name : str (default: "")
         `concatfl.models` name of the run's architecture; sent to clients so they can rebuild
         the encoders, and written into the saved model file.
@@ -187,6 +194,7 @@ class FedConcat(RelayStrategy):
         classifier_steps: int = 3,
         init_classifier: bool = False,
         fraction_train: float = 1.0,
+        feddyn: FedDynServer | None = None,
         model_name: str = "",
         input_shape: Sequence[int] | None = None,
         normalization: Normalization | None = None,
@@ -224,6 +232,7 @@ class FedConcat(RelayStrategy):
         self.classifier_steps = classifier_steps
         self.init_classifier = init_classifier
         self.fraction_train = fraction_train
+        self.feddyn = feddyn
         self.model_name = model_name
         self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
         self.normalization = normalization
@@ -235,6 +244,7 @@ class FedConcat(RelayStrategy):
         self.assignment: dict[int, int] = {}
         self.cluster_models: list[ArrayRecord] = []
         self.cluster_updates: list[int] = []  # stage-2 aggregations per cluster
+        self.cluster_feddyn: list[FedDynServer] = []  # FedDyn's h of each cluster
         self.encoders: ArrayRecord | None = None
         self.encoders_id = ""
         self.classifier: ArrayRecord | None = None
@@ -292,6 +302,8 @@ class FedConcat(RelayStrategy):
         # Shared, never mutated: aggregation replaces a cluster's record with a new one.
         self.cluster_models = [initial_arrays] * clustering.k
         self.cluster_updates = [0] * clustering.k
+        if self.feddyn is not None:
+            self.cluster_feddyn = [FedDynServer(self.feddyn.alpha, self.feddyn.keys) for _ in range(clustering.k)]
         clusters = []
         for cluster in range(clustering.k):
             members = self.members(cluster)
@@ -362,6 +374,8 @@ class FedConcat(RelayStrategy):
         """
         assert self.make_model is not None and self.input_shape is not None and self.normalization is not None
         settings = {**dict(train_config), "server-round": 0}
+        if self.feddyn is not None:
+            settings["local-objective"] = "sgd"
         hop = self.hop(
             grid,
             [Request(node, train_content(initial_arrays, settings), tag="label-inference") for node in nodes],
@@ -403,6 +417,8 @@ class FedConcat(RelayStrategy):
     def _encoder_requests(self, server_round: int, config: ConfigRecord, grid: Grid) -> list[Request]:
         live = set(live_node_ids(grid))
         settings = {**dict(config), "server-round": server_round}
+        if self.feddyn is not None:
+            settings.update(self.feddyn.settings())
         requests, selected = [], {}
         for cluster, model in enumerate(self.cluster_models):
             members = [node for node in self.members(cluster) if node in live]
@@ -492,10 +508,15 @@ class FedConcat(RelayStrategy):
         for cluster in range(len(self.cluster_models)):
             replies = [reply for reply in hop.replies if reply.request.tag == cluster]
             if replies:
-                self.cluster_models[cluster] = weighted_average(
-                    [r.arrays for r in replies], [r.num_examples for r in replies]
-                )
+                models = [r.arrays for r in replies]
+                average = weighted_average(models, [r.num_examples for r in replies])
+                if self.cluster_feddyn:
+                    members = len(self.members(cluster))
+                    average = self.cluster_feddyn[cluster].step(self.cluster_models[cluster], models, average, members)
+                self.cluster_models[cluster] = average
                 self.cluster_updates[cluster] += 1
+        if self.cluster_feddyn:
+            self.record("feddyn_h_norm", [server.h_norm for server in self.cluster_feddyn])
         if server_round == self.encoder_rounds and self.evaluate_model is not None:
             self.record("cluster_evaluation", self._evaluate_clusters())
         if not hop.replies:
@@ -558,6 +579,7 @@ class FedConcat(RelayStrategy):
             trained = [cluster for cluster, count in enumerate(self.cluster_updates) if count > 0]
             self.cluster_models = [self.cluster_models[cluster] for cluster in trained]
             self.cluster_updates = [self.cluster_updates[cluster] for cluster in trained]
+            self.cluster_feddyn = [self.cluster_feddyn[cluster] for cluster in trained] if self.cluster_feddyn else []
         states = self._cluster_states()
         if self.init_classifier:
             head = classifier_from_heads(states)
@@ -652,6 +674,7 @@ class FedConcat(RelayStrategy):
             "assignment": dict(self.assignment),
             "cluster_models": [_to_numpy(model) for model in self.cluster_models],
             "cluster_updates": list(self.cluster_updates),
+            "cluster_feddyn": [server.state_dict() for server in self.cluster_feddyn],
             "encoders": None if self.encoders is None else _to_numpy(self.encoders),
             "encoders_id": self.encoders_id,
             "classifier": None if self.classifier is None else _to_numpy(self.classifier),
@@ -667,6 +690,10 @@ class FedConcat(RelayStrategy):
         self.assignment = {int(node): int(cluster) for node, cluster in saved["assignment"].items()}
         self.cluster_models = [_from_numpy(arrays) for arrays in saved["cluster_models"]]
         self.cluster_updates = list(saved["cluster_updates"])
+        if self.feddyn is not None:
+            self.cluster_feddyn = [FedDynServer(self.feddyn.alpha, self.feddyn.keys) for _ in saved["cluster_feddyn"]]
+            for server, server_state in zip(self.cluster_feddyn, saved["cluster_feddyn"]):
+                server.load_state_dict(server_state)
         self.encoders = None if saved["encoders"] is None else _from_numpy(saved["encoders"])
         self.encoders_id = saved["encoders_id"]
         self.classifier = None if saved["classifier"] is None else _from_numpy(saved["classifier"])
@@ -706,6 +733,7 @@ def build(config: RunConfig, env: ServerEnv) -> FedConcat:
         classifier_steps=config.fedconcat_classifier_steps,
         init_classifier=config.fedconcat_init_classifier,
         fraction_train=config.fraction_train,
+        feddyn=feddyn_from_config(config, env),
         model_name=resolve_model_name(config.model, config.dataset),
         input_shape=env.data.input_shape,
         normalization=env.normalization,

@@ -1,4 +1,4 @@
-"""FedDyn's server half (Acar et al. 2021), shared by FedAvg, FedCat and FedSeq/FedSeqInter.
+"""FedDyn's server half (Acar et al. 2021), shared by FedAvg, FedCat, FedSeq/FedSeqInter and FedConcat.
 
 The clients' half (the linear and proximal terms, g_k) is `concatfl.objectives`. The server
 keeps h (initially 0) and, whenever a strategy forms a new global model from the models P
@@ -7,9 +7,11 @@ trained since the previous one θ_prev:
     h ← h − (α/m)·Σ_{k∈P}(θ_k − θ_prev)        θ = mean_{k∈P}(θ_k) − h/α
 
 with m the number of FedDyn "clients" the strategy has: the connected nodes for FedAvg, the K
-copies for FedCat, the superclients for FedSeq and the slots for FedSeqInter. The mean is each
+copies for FedCat, the superclients for FedSeq, the slots for FedSeqInter and, in FedConcat's
+encoder stage, the members of each cluster (one h per cluster). The mean is each
 strategy's own average: the plain mean for FedAvg (as in the FedDyn paper), the data-size
-weighted average of copies / superclients / slots for FedCat and FedSeq (their papers'). h covers
+weighted average of copies / superclients / slots / cluster members for FedCat, FedSeq and FedConcat
+(their papers'). h covers
 the model's parameters only (the keys the clients' g_k cover); buffers such as BatchNorm
 statistics are averaged as usual.
 """
