@@ -8,12 +8,11 @@ trained since the previous one θ_prev:
 
 with m the number of FedDyn "clients" the strategy has: the connected nodes for FedAvg, the K
 copies for FedCat, the superclients for FedSeq, the slots for FedSeqInter and, in FedConcat's
-encoder stage, the members of each cluster (one h per cluster). The mean is each
-strategy's own average: the plain mean for FedAvg (as in the FedDyn paper), the data-size
-weighted average of copies / superclients / slots / cluster members for FedCat, FedSeq and FedConcat
-(their papers'). h covers
-the model's parameters only (the keys the clients' g_k cover); buffers such as BatchNorm
-statistics are averaged as usual.
+encoder stage, the members of each cluster (one h per cluster). The mean is each strategy's
+own average: the plain mean for FedAvg (as in the FedDyn paper), the data-size weighted average
+of copies / superclients / slots / cluster members for FedCat, FedSeq and FedConcat (their
+papers'). h covers the model's parameters only (the keys the clients' g_k cover); buffers such
+as BatchNorm statistics are averaged as usual.
 """
 
 from __future__ import annotations
