@@ -303,7 +303,7 @@ class FedConcat(RelayStrategy):
         self.cluster_models = [initial_arrays] * clustering.k
         self.cluster_updates = [0] * clustering.k
         if self.feddyn is not None:
-            self.cluster_feddyn = [FedDynServer(self.feddyn.alpha, self.feddyn.keys) for _ in range(clustering.k)]
+            self.cluster_feddyn = self._fresh_cluster_feddyn(clustering.k)
         clusters = []
         for cluster in range(clustering.k):
             members = self.members(cluster)
@@ -566,6 +566,11 @@ class FedConcat(RelayStrategy):
         states = self._cluster_states()
         return ArrayRecord(concat_state_dict(states, classifier_from_heads(states)))
 
+    def _fresh_cluster_feddyn(self, count: int) -> list[FedDynServer]:
+        """One FedDyn server state (h = 0) per cluster, with the run's α and keys."""
+        assert self.feddyn is not None
+        return [FedDynServer(self.feddyn.alpha, self.feddyn.keys) for _ in range(count)]
+
     def _concatenate(self) -> None:
         """Start of stage 3: freeze the encoders, initialize the classifier, fingerprint the encoders.
 
@@ -691,7 +696,7 @@ class FedConcat(RelayStrategy):
         self.cluster_models = [_from_numpy(arrays) for arrays in saved["cluster_models"]]
         self.cluster_updates = list(saved["cluster_updates"])
         if self.feddyn is not None:
-            self.cluster_feddyn = [FedDynServer(self.feddyn.alpha, self.feddyn.keys) for _ in saved["cluster_feddyn"]]
+            self.cluster_feddyn = self._fresh_cluster_feddyn(len(saved["cluster_feddyn"]))
             for server, server_state in zip(self.cluster_feddyn, saved["cluster_feddyn"]):
                 server.load_state_dict(server_state)
         self.encoders = None if saved["encoders"] is None else _from_numpy(saved["encoders"])
