@@ -177,17 +177,21 @@ def test_every_cell_of_every_suite_is_a_valid_run_config():
                 assert RunConfig.from_mapping(config).min_available_nodes <= cell.num_supernodes
     sizes = {(name, scale): len(BLUEPRINTS[name].suite(scale).cells) for name in BLUEPRINTS for scale in SCALES}
     assert sizes == {
-        ("fedcat", "smoke"): 3 * 6, ("fedcat", "small"): 9 * 6, ("fedcat", "paper"): 9 * 6,
-        ("fedconcat", "smoke"): 4 * 7, ("fedconcat", "small"): 8 * 7, ("fedconcat", "paper"): 8 * 7,
-        ("fedseq", "smoke"): 3 * 9, ("fedseq", "small"): 6 * 9, ("fedseq", "paper"): 6 * 9,
+        ("fedcat", "smoke"): 3 * 6, ("fedcat", "small"): 2 * 6, ("fedcat", "paper"): 9 * 6,
+        ("fedconcat", "smoke"): 4 * 7, ("fedconcat", "small"): 2 * 7, ("fedconcat", "paper"): 8 * 7,
+        ("fedseq", "smoke"): 3 * 9, ("fedseq", "small"): 1 * 9, ("fedseq", "paper"): 6 * 9,
     }  # fmt: skip
     assert all(c.dataset == "digits" for name in BLUEPRINTS for c in BLUEPRINTS[name].suite("smoke").cells)
 
 
 def test_the_header_lists_every_change_from_the_paper_scale():
     small, paper = get_suite("fedcat", "small"), get_suite("fedcat", "paper")
-    assert "clients: 100 → 20" in small.notes[0] and "local epochs: 5 → 1" in small.notes[0]
-    assert "train images: all → 6,000" in small.notes[0] and small.subsample == Subsample(6000, 1000)
+    assert "clients: 100 → 20" in small.notes[0] and "local epochs" not in small.notes[0]
+    assert "train images: all → 3,000" in small.notes[0] and small.subsample == Subsample(3000, 1000)
+    assert "datasets: MNIST, Fashion-MNIST, CIFAR-10 → MNIST, Fashion-MNIST (CIFAR-10 stays at chance" in small.notes[0]
+    concat_paper = get_suite("fedconcat", "paper")
+    assert [s.name for s in concat_paper.settings][:4] == ["fmnist-c2", "fmnist-c3", "fmnist-dir0.1", "fmnist-dir0.5"]
+    assert "partitions: #C=2, #C=3, Dir(0.1), Dir(0.5) → #C=2, Dir(0.1)" in get_suite("fedconcat", "small").notes[0]
     assert paper.notes[0].startswith("Paper scale") and paper.subsample is None
     assert "datasets: MNIST, Fashion-MNIST, CIFAR-10 → digits" in get_suite("fedcat", "smoke").notes[0]
     fedavg = paper.cell(paper.settings[0], "FedAvg")
@@ -196,7 +200,7 @@ def test_the_header_lists_every_change_from_the_paper_scale():
 
 def test_dry_run_lists_the_runs_and_digits_suites_take_no_scale(capsys):
     assert main(["fedseq", "--scale", "small", "--seeds", "0,1", "--dry-run"]) == 0
-    assert "fedseq (scale small): 54 cells × 2 seed(s) = 108 runs" in capsys.readouterr().out
+    assert "fedseq (scale small): 9 cells × 2 seed(s) = 18 runs" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["fedcat-digits", "--scale", "small", "--dry-run"])
 
