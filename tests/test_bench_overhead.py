@@ -7,12 +7,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from concatfl.bench.__main__ import main as bench_main
+from concatfl.data.datasets import load_dataset
 from concatfl.bench.overhead import (
+    Options,
     bare_fedavg,
     cpu_model,
+    data_config,
+    describe_data,
     fedconcat_costs,
     fedseq_latency,
     parse_options,
@@ -22,6 +27,7 @@ from concatfl.bench.overhead import (
 )
 
 from .e2e import leftover_processes
+from .test_bench import write_idx
 
 
 def concat_round(stage: str, seconds: float, kinds: dict[str, int]) -> dict[str, Any]:
@@ -157,7 +163,7 @@ def test_table_of_parts_1_and_3_reports_the_ratio_and_memory():
     per_round = {"simulation_round": 3.0, "bare_round": 1.2, "simulation_hop": 2.5, "bare_train": 1.1,
                  "simulation_server_side": 0.5, "bare_aggregate_and_evaluate": 0.1}  # fmt: skip
     part1 = {
-        "run_config": {"local-epochs": 1, "num-server-rounds": 10}, "clients": 10, "concurrent_clients": 2,
+        "run_config": {"dataset": "digits", "local-epochs": 1, "num-server-rounds": 10}, "clients": 10, "concurrent_clients": 2,
         "simulation": simulation, "bare": bare, "ratio_rounds_to_bare": 2.5, "ratio_later_rounds_to_bare": 2.28,
         "target": 1.25,
         "per_round": per_round, "run": run,
@@ -166,6 +172,7 @@ def test_table_of_parts_1_and_3_reports_the_ratio_and_memory():
 
     table = render_table({"parts": {"1": part1, "3": part3}})
 
+    assert "digits, model default, 10 clients, all train every round, 1 local epoch(s), 10 rounds." in table
     assert "| **rounds / bare** (target ≤ 1.25: missed) | **2.50** |" in table
     assert "| rounds after the first / bare's (without round 1's warm-up) | 2.28 |" in table
     assert "| · start-up until round 1 (SuperLink, runtime, ServerApp set-up, initial evaluation) | 25.00 |" in table
@@ -181,6 +188,9 @@ def test_options_refuse_unknown_parts_and_too_many_per_round(tmp_path):
         parse_options(["--parts", "5"])
     with pytest.raises(SystemExit):
         parse_options(["--clients", "30", "--many-clients", "20,40"])
+    for bad in (["--dataset", "imagenet"], ["--dataset", "mnist"], ["--subsample", "600"]):
+        with pytest.raises(SystemExit):
+            parse_options(bad)  # unknown dataset; a real one without --data-dir; TRAIN without TEST
     with pytest.raises(SystemExit):
         bench_main(["--seeds", "0", "overhead"])  # `overhead` takes its own options: it must come first
 
@@ -207,3 +217,22 @@ def test_part_1_runs_a_tiny_simulation_against_the_bare_loop(tmp_path):
     assert simulation["peak_rss_bytes"] > 100e6 and "flwr-simulation" in simulation["peak_rss_by_process"]
     assert "**rounds / bare**" in (tmp_path / "overhead" / "table.md").read_text()
     assert leftover_processes(tmp_path) == []
+
+
+def test_parts_1_and_2_train_on_a_subsample_of_a_real_dataset_when_asked(tmp_path):
+    rng = np.random.default_rng(0)
+    source = tmp_path / "src"
+    source.mkdir()
+    for name, size in (("train", 100), ("t10k", 30)):
+        write_idx(source / f"{name}-images-idx3-ubyte", rng.integers(0, 256, (size, 28, 28)))
+        write_idx(source / f"{name}-labels-idx1-ubyte", np.arange(size) % 10)
+    options = parse_options(["--out", str(tmp_path / "out"), "--dataset", "mnist", "--data-dir", str(source),
+                             "--subsample", "50,20", "--model", "mcmahan-cnn"])  # fmt: skip
+
+    config = data_config(options, options.model)
+
+    assert config["dataset"] == "mnist" and config["model"] == "mcmahan-cnn"
+    assert Path(config["data-dir"]) == tmp_path / "out" / "data" / "mnist-train50-test20-seed0"
+    assert len(load_dataset("mnist", config["data-dir"]).y_train) == 50
+    assert describe_data(config) == "MNIST (50 train images), model mcmahan-cnn"
+    assert data_config(Options(), None) == {"dataset": "digits"}

@@ -4,17 +4,22 @@
 
 Parts (`--parts` picks some; results of parts run earlier stay in overhead.json):
 
-1. FedAvg on digits through a real `flwr run` simulation (the way the other suites run their
+1. FedAvg through a real `flwr run` simulation (the way the other suites run their
    cells) against a bare single-process loop doing the same local training (concatfl's own
    data, partition, model and `train`), the same weighted averaging and the same central
    evaluation. Reported: the simulation's total wall time, its one-time start-up, its rounds,
    the bare loop's rounds, their ratio, and where the difference goes per round.
-2. FedConcat on digits: what a classifier round costs next to an encoder round, in wall
+2. FedConcat: what a classifier round costs next to an encoder round, in wall
    seconds and bytes, read from the per-round records of one simulation's metrics.json.
 3. 100 and 500 simulated clients with the same number training per round: peak memory of the
    simulation's whole process tree and the per-round time.
 4. One FedSeq round through real processes: `scripts/deploy_latency.py` (SuperLink and
    SuperNodes on loopback), or the JSON it wrote earlier (`--latency-json`).
+
+Parts 1 and 2 train on digits with the default model unless `--dataset`, `--data-dir`,
+`--subsample`, `--model` and `--concat-model` say otherwise: Flower's cost per round is about
+fixed, so their ratios depend on how much computation and how large a model each round carries.
+Parts 3 and 4 always use digits.
 
 Writes `<out>/overhead/overhead.json` and `<out>/overhead/table.md`; each part records the
 command, the machine and the load average at its start and end (the figures are wall times on
@@ -27,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -44,12 +50,14 @@ import torch
 from flwr.app import ArrayRecord
 
 from ..config import RunConfig
+from ..data.datasets import DATASETS
 from ..launch import PROJECT_DIR
 from ..metrics import METRICS_FILE
 from ..runtime import ServerEnv, load_client_data
 from ..strategies.common import weighted_average
 from ..training import train
-from .runner import simulate_with_flower
+from .data import LABELS, Subsample, write_subsample
+from .runner import DATA_CACHE, simulate_with_flower
 
 SUITE = "overhead"
 JSON_FILE = "overhead.json"
@@ -72,6 +80,12 @@ class Options:
     rounds: int = 10
     clients: int = 10
     local_epochs: int = 1
+    dataset: str = "digits"
+    data_dir: Path | None = None
+    subsample: tuple[int, ...] | None = None  # (train, test) images kept of a real dataset
+    model: str | None = None  # part 1; None: the dataset's default
+    concat_model: str | None = None  # part 2
+    concat_local_epochs: int | None = None  # part 2; None: the run config's default
     concat_clients: int = 20
     encoder_rounds: int = 3
     classifier_rounds: int = 6
@@ -394,12 +408,36 @@ def simulate(options: Options, name: str, run_config: dict[str, Any], clients: i
     }
 
 
+def data_config(options: Options, model: str | None) -> dict[str, Any]:
+    """The run-config keys of parts 1 and 2's data and model; a real dataset's subsample is
+    written under `<out>/data/` once, as the other suites do."""
+    config: dict[str, Any] = {"dataset": options.dataset}
+    if options.dataset != "digits":
+        data_dir = Path(str(options.data_dir)).expanduser().resolve()  # parse_options requires it
+        if options.subsample is not None:
+            data_dir = write_subsample(options.dataset, data_dir, Subsample(*options.subsample), options.out / DATA_CACHE)
+        config["data-dir"] = str(data_dir)
+    if model is not None:
+        config["model"] = model
+    return config
+
+
+def describe_data(config: Mapping[str, Any]) -> str:
+    """"MNIST (6,000 train images), model mcmahan-cnn" for a part's section."""
+    dataset = config.get("dataset", "digits")  # parts measured before the option existed were digits
+    data = LABELS.get(dataset, dataset)
+    subsample = re.search(r"-train(\d+)-", str(config.get("data-dir", "")))
+    if subsample:
+        data += f" ({int(subsample.group(1)):,} train images)"
+    return f"{data}, model {config.get('model', 'default')}"
+
+
 def part_fedavg(options: Options) -> dict[str, Any]:
-    """Part 1: the simulation's rounds against the bare loop's (digits, default model and
-    partition, every client every round)."""
+    """Part 1: the simulation's rounds against the bare loop's (default partition, every client
+    every round)."""
     config = {
         "strategy": "fedavg",
-        "dataset": "digits",
+        **data_config(options, options.model),
         "num-server-rounds": options.rounds,
         "local-epochs": options.local_epochs,
         "fraction-train": 1.0,
@@ -427,10 +465,10 @@ def part_fedavg(options: Options) -> dict[str, Any]:
 
 
 def part_fedconcat(options: Options) -> dict[str, Any]:
-    """Part 2: one FedConcat simulation on digits, #C=2; its rounds' costs by kind."""
+    """Part 2: one FedConcat simulation, #C=2; its rounds' costs by kind."""
     config = {
         "strategy": "fedconcat",
-        "dataset": "digits",
+        **data_config(options, options.concat_model),
         "partition": "classes",
         "classes-per-client": 2,
         "min-available-nodes": options.concat_clients,
@@ -438,6 +476,8 @@ def part_fedconcat(options: Options) -> dict[str, Any]:
         "fedconcat-classifier-rounds": options.classifier_rounds,
         "seed": options.seed,
     }
+    if options.concat_local_epochs is not None:
+        config["local-epochs"] = options.concat_local_epochs
     metrics, simulation = simulate(options, "fedconcat-simulation", config, options.concat_clients)
     return {
         "run_config": config,
@@ -516,8 +556,8 @@ def render_fedavg(part: Mapping[str, Any]) -> list[str]:
     return [
         "### 1. FedAvg: `flwr run` simulation vs a bare PyTorch loop",
         "",
-        f"digits, {part['clients']} clients, all train every round, {config['local-epochs']} local epoch(s), "
-        f"{config['num-server-rounds']} rounds, default model. The simulation trains up to "
+        f"{describe_data(config)}, {part['clients']} clients, all train every round, "
+        f"{config['local-epochs']} local epoch(s), {config['num-server-rounds']} rounds. The simulation trains up to "
         f"{part['concurrent_clients']} clients at once; the bare loop trains them one after another in one "
         f"process ({bare['torch_threads']} torch threads), with the same data, mini-batches, averaging and "
         "central evaluation.",
@@ -586,7 +626,8 @@ def render_fedconcat(part: Mapping[str, Any]) -> list[str]:
     return [
         "### 2. FedConcat: classifier round vs encoder round",
         "",
-        f"digits, {part['clients']} clients, #C={config['classes-per-client']}, K={part['clusters']} clusters, "
+        f"{describe_data(config)}, {config.get('local-epochs', 'default')} local epoch(s), {part['clients']} "
+        f"clients, #C={config['classes-per-client']}, K={part['clusters']} clusters, "
         f"{config['fedconcat-encoder-rounds']} encoder + {config['fedconcat-classifier-rounds']} classifier "
         f"rounds (simulation wall {part['wall_seconds']:.0f} s). A round's seconds include the server's "
         "evaluation of the global model; bytes are measured on the serialized messages, down + up.",
@@ -719,6 +760,12 @@ def parse_options(argv: Sequence[str]) -> Options:
         help="part 1: clients; part 3: clients training per round (default %(default)s)",
     )
     parser.add_argument("--local-epochs", type=int, default=default.local_epochs, help="part 1 (default %(default)s)")
+    parser.add_argument("--dataset", default=default.dataset, help="parts 1 and 2 (default %(default)s)")
+    parser.add_argument("--data-dir", type=Path, help="parts 1 and 2: the real dataset's folder")
+    parser.add_argument("--subsample", type=_ints, help="parts 1 and 2: TRAIN,TEST images kept of a real dataset")
+    parser.add_argument("--model", help="part 1 (default: the dataset's)")
+    parser.add_argument("--concat-model", help="part 2 (default: the dataset's)")
+    parser.add_argument("--concat-local-epochs", type=int, help="part 2 (default: the run config's)")
     parser.add_argument(
         "--concat-clients", type=int, default=default.concat_clients, help="part 2: clients (default %(default)s)"
     )
@@ -749,6 +796,12 @@ def parse_options(argv: Sequence[str]) -> Options:
     parts = tuple(dict.fromkeys(part.strip() for part in args.parts.split(",")))
     if not set(parts) <= set(PARTS):
         parser.error(f"--parts takes some of {','.join(PARTS)}, got {args.parts!r}")
+    if args.dataset not in DATASETS:
+        parser.error(f"--dataset takes one of {', '.join(DATASETS)}, got {args.dataset!r}")
+    if args.dataset != "digits" and args.data_dir is None:
+        parser.error(f"--dataset {args.dataset} needs --data-dir")
+    if args.subsample is not None and len(args.subsample) != 2:
+        parser.error(f"--subsample takes TRAIN,TEST, got {args.subsample!r}")
     if "3" in parts and args.clients > min(args.many_clients):
         parser.error("--clients (per round in part 3) exceeds a --many-clients count")
     return Options(**{**vars(args), "parts": parts})
