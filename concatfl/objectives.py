@@ -116,6 +116,18 @@ def local_steps(num_examples: int, batch_size: int, epochs: int) -> int:
     return epochs * math.ceil(num_examples / batch_size)
 
 
+def momentum_step_sum(steps: int, momentum: float) -> float:
+    """How many gradients' worth of learning rate K heavy-ball steps move the parameters by
+    under a constant gradient: Σ_{t=1..K} (1 − β^t)/(1 − β), which is K when β = 0.
+
+    PyTorch's SGD starts its momentum buffer at the first gradient, so step t moves by
+    η·g·(1 − β^t)/(1 − β).
+    """
+    if momentum == 0:
+        return float(steps)
+    return (steps - momentum * (1 - momentum**steps) / (1 - momentum)) / (1 - momentum)
+
+
 def scaffold_control_update(
     client_control: Mapping[str, np.ndarray],
     server_control: Mapping[str, np.ndarray],
@@ -123,15 +135,20 @@ def scaffold_control_update(
     trained: Mapping[str, np.ndarray],
     steps: int,
     lr: float,
+    momentum: float = 0.0,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """SCAFFOLD option II: (c_i⁺, Δc_i) with c_i⁺ = c_i − c + (x − y_i)/(K·η) and Δc_i = c_i⁺ − c_i.
 
     `sent` is the model x the client received, `trained` its model y_i after K = `steps` local
     steps of learning rate η = `lr`; the dicts hold the control keys (the model's parameters).
+    With SGD momentum β the K of (x − y_i)/(K·η) becomes `momentum_step_sum(K, β)`, so that
+    c_i⁺ stays the client's mean gradient: the paper's K counts plain SGD steps, and with
+    β = 0.9 dividing by it makes c_i about ten times the gradient and the corrected local
+    training diverge.
     """
+    scale = momentum_step_sum(steps, momentum) * lr
     updated = {
-        key: client_control[key] - server_control[key] + (sent[key] - trained[key]) / (steps * lr)
-        for key in server_control
+        key: client_control[key] - server_control[key] + (sent[key] - trained[key]) / scale for key in server_control
     }
     return updated, {key: updated[key] - client_control[key] for key in server_control}
 
@@ -174,7 +191,7 @@ def build_objective(
     settings : Mapping[str, Any]
         The message's config over the run config: ``local-objective``, ``proximal-mu``,
         ``feddyn-alpha``, ``moon-mu``, ``moon-tau``, ``fedrs-alpha``, ``fedlc-tau``, and for
-        SCAFFOLD ``lr``, ``batch-size``, ``local-epochs``.
+        SCAFFOLD ``lr``, ``momentum``, ``batch-size``, ``local-epochs``.
     state : RecordDict
         The client's ``context.state``; read now and written by `finish`.
     received : nn.Module
@@ -199,7 +216,7 @@ def build_objective(
         if name != "sgd" or mu > 0:
             raise ValueError("a SCAFFOLD round corrects the gradients itself: use local-objective='sgd', proximal-mu=0")
         steps = local_steps(num_examples, int(settings["batch-size"]), int(settings["local-epochs"]))
-        return _scaffold(state, received, control, steps, float(settings["lr"]), device)
+        return _scaffold(state, received, control, steps, float(settings["lr"]), float(settings["momentum"]), device)
     if mu > 0 and name not in ("sgd", "fedprox"):
         raise ValueError(f"proximal-mu > 0 is FedProx's weight; it does not combine with local-objective={name!r}")
     if name == "fedprox" and mu <= 0:
@@ -269,8 +286,15 @@ def _moon(
     return LocalObjective("moon", loss=loss, finish=finish)
 
 
+# pylint: disable=too-many-arguments
 def _scaffold(
-    state: RecordDict, received: nn.Module, control: ArrayRecord, steps: int, lr: float, device: torch.device
+    state: RecordDict,
+    received: nn.Module,
+    control: ArrayRecord,
+    steps: int,
+    lr: float,
+    momentum: float,
+    device: torch.device,
 ) -> LocalObjective:
     server = {key: torch.from_numpy(array.numpy().copy()).to(device) for key, array in control.items()}
     mine = _load_vectors(state, SCAFFOLD_STATE, server, "SCAFFOLD's control variate c_i", device)
@@ -279,7 +303,7 @@ def _scaffold(
 
     def finish(model: nn.Module) -> dict[str, ArrayRecord]:
         trained = _numpy(model.state_dict())
-        updated, delta = scaffold_control_update(_numpy(mine), _numpy(server), sent, trained, steps, lr)
+        updated, delta = scaffold_control_update(_numpy(mine), _numpy(server), sent, trained, steps, lr, momentum)
         state[SCAFFOLD_STATE] = _record(updated)
         model_delta = {key: trained[key] - sent[key] for key in sent}
         return {"arrays": _record(model_delta), CONTROL_KEY: _record(delta)}

@@ -14,7 +14,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 
 from concatfl.client_app import app
 from concatfl.config import RunConfig
-from concatfl.objectives import SCAFFOLD_STATE, local_steps, scaffold_control_update
+from concatfl.objectives import SCAFFOLD_STATE, local_steps, momentum_step_sum, scaffold_control_update
 from concatfl.runtime import ServerEnv, load_client_data, load_data, make_model
 from concatfl.strategies import FedAvg, Scaffold, build_strategy
 from concatfl.strategies.scaffold import scaffold_server_update
@@ -41,6 +41,24 @@ def test_client_control_update_option_ii_by_hand():
     np.testing.assert_allclose(updated["w"], [1.5, -1.5], atol=1e-6)
     np.testing.assert_allclose(delta["w"], [0.5, -1.5], atol=1e-6)
     assert updated["w"].dtype == np.float32
+
+
+def test_with_momentum_the_control_update_is_still_the_mean_gradient():
+    # K steps of PyTorch's heavy-ball SGD under a constant gradient g move x by η·g·Σ(1 − β^t)/(1 − β).
+    gradient, lr, steps = torch.tensor([2.0, -4.0]), 0.01, 7
+    weights = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([weights], lr=lr, momentum=0.9)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        (weights * gradient).sum().backward()
+        optimizer.step()
+    zero = {"w": np.zeros(2, np.float32)}
+
+    updated, _ = scaffold_control_update(zero, zero, zero, {"w": weights.detach().numpy()}, steps, lr, momentum=0.9)
+
+    np.testing.assert_allclose(updated["w"], gradient.numpy(), rtol=1e-5)
+    assert momentum_step_sum(steps, 0.0) == steps
+    assert momentum_step_sum(3, 0.5) == 1 + 1.5 + 1.75
 
 
 def test_local_steps_counts_the_short_last_batch():
