@@ -415,7 +415,8 @@ def data_config(options: Options, model: str | None) -> dict[str, Any]:
     if options.dataset != "digits":
         data_dir = Path(str(options.data_dir)).expanduser().resolve()  # parse_options requires it
         if options.subsample is not None:
-            data_dir = write_subsample(options.dataset, data_dir, Subsample(*options.subsample), options.out / DATA_CACHE)
+            subsample = Subsample(*options.subsample)
+            data_dir = write_subsample(options.dataset, data_dir, subsample, options.out / DATA_CACHE)
         config["data-dir"] = str(data_dir)
     if model is not None:
         config["model"] = model

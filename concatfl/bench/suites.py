@@ -6,7 +6,8 @@ seed) and a number of simulated clients.
 
 * `fedcat`, `fedconcat`, `fedseq` follow the three papers' settings and come in three scales:
   `paper` (the papers' settings, meant for a GPU), `small` (a stratified subsample of the real
-  data, fewer clients, rounds and epochs; sized for about an hour per seed on 2 CPU cores) and
+  data, one or two settings, fewer clients and rounds; 25–45 min per suite and seed on 2 CPU
+  cores) and
   `smoke` (scikit-learn's digits, a few rounds; minutes). Each scale is a table of named knobs;
   every knob that differs from the paper scale is listed in the table's header, from → to.
 * `fedcat-digits`, `fedseq-digits`, `fedconcat-digits`, `baselines-digits` are the earlier
@@ -114,6 +115,8 @@ PAPER: dict[str, dict[tuple[str, str], float | None]] = {"fedcat": {}, "fedconca
 # Knobs set the same way in every suite at a scale: the data it trains on.
 _SMOKE_DATA = {"datasets": ("digits",), "train images": None, "test images": None}
 _SMALL_DATA = {"train images": 6000, "test images": 1000}
+# Why `small` drops CIFAR-10 from fedconcat and fedseq.
+_CIFAR10_LEFT_OUT = "CIFAR-10 left out to fit the time of 2 CPU cores (see fedcat for how it fares at this scale)"
 _CLIENTS_TRAIN_ON_ALL = {"local-test-fraction": 0.0}  # clients train on their whole partition, as in the papers
 
 
@@ -402,7 +405,7 @@ BLUEPRINTS: dict[str, Blueprint] = {
         ),
         knob_notes={
             "model": "simple-cnn needs ≥ 16×16 inputs",
-            "datasets": "CIFAR-10 left out to fit the time of 2 CPU cores (see fedcat for how it fares at this scale)",
+            "datasets": _CIFAR10_LEFT_OUT,
             "partitions": "the strongest and a milder skew; all four take twice as long",
             "baseline rounds": "encoder/classifier rounds in the same ratio",
         },
@@ -463,7 +466,7 @@ BLUEPRINTS: dict[str, Blueprint] = {
         knob_notes={
             "train images": "200 per client (CIFAR-10 at paper scale: 100), so 30 rounds train past chance",
             "model": "LeNet-5 needs ≥ 16×16 inputs",
-            "datasets": "CIFAR-10 left out to fit the time of 2 CPU cores (see fedcat for how it fares at this scale)",
+            "datasets": _CIFAR10_LEFT_OUT,
             "α": "FedSeq's hardest skew only; each α adds 9 runs per seed",
         },
     ),
