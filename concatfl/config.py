@@ -69,6 +69,8 @@ class RunConfig:
     fedcat_epsilon: float = 0.5
     fedcat_selection: str = "grouped-count"
     fedcat_concat: bool = True
+    fedcat_hop_step: float = 1.0
+    fedcat_hop_clip: float = 1.5
     fedseq_pretrain_epochs: int = 10
     fedseq_approximator: str = "conf"
     fedseq_exemplars_per_class: int = 10
@@ -80,6 +82,8 @@ class RunConfig:
     fedseq_min_samples: int = 800
     fedseq_max_clients: int = 11
     fedseq_superclient_epochs: int = 1
+    fedseq_hop_step: float = 1.0
+    fedseq_hop_clip: float = 1.5
     fedconcat_clusters: str = "5"
     fedconcat_balanced: bool = False
     fedconcat_dp_epsilon: float = 0.0
@@ -163,6 +167,10 @@ class RunConfig:
             raise ConfigError("fedcat-k must be 0 (auto: round(fraction-train x N), at least 2) or >= 2")
         _at_least("fedcat-lambda", self.fedcat_lambda, 1)
         _open_interval("fedcat-epsilon", self.fedcat_epsilon, 0.0, 1.0, closed_low=True, closed_high=True)
+        _open_interval("fedcat-hop-step", self.fedcat_hop_step, 0.0, 1.0, closed_high=True)
+        _open_interval("fedseq-hop-step", self.fedseq_hop_step, 0.0, 1.0, closed_high=True)
+        _at_least("fedcat-hop-clip", self.fedcat_hop_clip, 0.0)
+        _at_least("fedseq-hop-clip", self.fedseq_hop_clip, 0.0)
         _at_least("fedseq-pretrain-epochs", self.fedseq_pretrain_epochs, 1)
         _at_least("fedseq-exemplars-per-class", self.fedseq_exemplars_per_class, 1)
         _at_least("fedseq-min-samples", self.fedseq_min_samples, 1)

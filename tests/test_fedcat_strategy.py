@@ -13,8 +13,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 
 from concatfl.config import RunConfig
-from concatfl.strategies import FedCat, build_strategy
+from concatfl.strategies import FedCat as DefaultFedCat, build_strategy
 from tests.fakes import FakeGrid, reply_with
+
+def FedCat(**kwargs) -> DefaultFedCat:  # pylint: disable=invalid-name
+    """The paper's algorithm (no bound on hops), which these tests follow exactly; the
+    divergence check's extra evaluations are tested on their own."""
+    return DefaultFedCat(**{"hop_clip": 0.0, "check_parts": False, **kwargs})
 
 INITIAL = {"w": np.array([1.0, 2.0, 3.0], dtype=np.float32), "b": np.array([0.5], dtype=np.float32)}
 TRAIN_CONFIG = ConfigRecord({"lr": 0.1, "local-epochs": 1})
@@ -371,7 +376,7 @@ def test_build_reads_the_fedcat_run_config():
         fedcat_selection="random", fedcat_concat=False, seed=5, round_timeout=0.0,
     )
     strategy = build_strategy(config, env=None)  # FedCat needs nothing from the environment
-    assert isinstance(strategy, FedCat)
+    assert isinstance(strategy, DefaultFedCat)
     assert (strategy.k, strategy.fraction_train, strategy.group_cycles, strategy.epsilon) == (4, 0.2, 3, 0.25)
     assert (strategy.selection, strategy.concat, strategy.round_timeout) == ("random", False, None)
 

@@ -83,6 +83,7 @@ class RelayStrategy(Strategy):
         self.setup_record: dict[str, Any] = {}
         self.after_round: Callable[[int, ArrayRecord, Result], None] | None = None
         self._round_extras: dict[str, Any] = {}
+        self._evaluate_fn: EvaluateFn | None = None
         self._pending: list[Request] = []
         self._pending_messages: list[Message] = []
         self._hop_position: tuple[int, int] = (0, 0)
@@ -141,6 +142,13 @@ class RelayStrategy(Strategy):
     def hop(self, grid: Grid, requests: list[Request]) -> HopResult:
         """Run one relay hop with this strategy's timeout."""
         return relay(grid, requests, self.round_timeout)
+
+    def evaluate_on_server(self, server_round: int) -> Callable[[ArrayRecord], MetricRecord | None] | None:
+        """The run's `evaluate_fn` for models of round `server_round` (None when the run has none)."""
+        evaluate_fn = self._evaluate_fn
+        if evaluate_fn is None:
+            return None
+        return lambda arrays: evaluate_fn(server_round, arrays)
 
     def record(self, key: str, value: Any) -> None:
         """Add a strategy-specific entry (JSON-ready) to the current round's record."""
@@ -223,6 +231,7 @@ class RelayStrategy(Strategy):
         self.summary()
         if self.round_timeout is None:
             self.round_timeout = timeout
+        self._evaluate_fn = evaluate_fn
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         result = Result(arrays=initial_arrays)

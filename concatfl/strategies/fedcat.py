@@ -30,6 +30,7 @@ from ..core.fedcat import (
 from .base import EvaluateFn, RelayStrategy
 from .common import NUM_EXAMPLES_KEY, HopResult, Request, live_node_ids, train_content, weighted_average
 from .feddyn import FedDynServer, from_config as feddyn_from_config
+from .sequential import DEFAULT_HOP_CLIP, ChainGuard
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -114,6 +115,9 @@ class FedCat(RelayStrategy):
         selection: str = "grouped-count",
         concat: bool = True,
         feddyn: FedDynServer | None = None,
+        hop_step: float = 1.0,
+        hop_clip: float = DEFAULT_HOP_CLIP,
+        check_parts: bool = True,
         fraction_evaluate: float = 0.0,
         round_timeout: float | None = None,
         seed: int = 0,
@@ -136,6 +140,7 @@ class FedCat(RelayStrategy):
         self.selection = selection
         self.concat = concat
         self.feddyn = feddyn
+        self.guard = ChainGuard("FedCat", hop_step, hop_clip, ("fedcat-hop-step", "fedcat-hop-clip"), check_parts)
         # The algorithm's state (all saved by `state_dict`); K is fixed at the first round.
         self._k: int | None = None
         self._round_index = 0  # r, counted from when the current K took effect
@@ -160,7 +165,7 @@ class FedCat(RelayStrategy):
         if not nodes:
             log(WARNING, "FedCat: no connected nodes; round %s trains nothing", server_round)
             return []
-        global_arrays = self._follow_nodes(nodes, arrays)
+        global_arrays = self._follow_nodes(server_round, nodes, arrays)
         k = self._require_k()
         offset = cycle_offset(self._round_index, k)
         if self.selection == "grouped-count":
@@ -188,8 +193,10 @@ class FedCat(RelayStrategy):
         """Valid replies replace their copy and add to its d_i; the copies are averaged after the
         cycle's last round (every round without concatenation, and at the run's last round)."""
         for reply in hop.replies:
-            # The returned model is m_i + (returned − sent) with m_i the copy that was sent.
-            self._copies[reply.request.tag] = reply.arrays
+            # The copy still holds what was sent: it moves (a damped step at η < 1) toward the reply.
+            self._copies[reply.request.tag] = self.guard.step(
+                self._copies[reply.request.tag], reply.arrays, first_hop=self._data_sizes[reply.request.tag] == 0
+            )
             self._data_sizes[reply.request.tag] += reply.num_examples
         self.record("data_sizes", [int(d) for d in self._data_sizes])
         k = self._require_k()
@@ -199,7 +206,7 @@ class FedCat(RelayStrategy):
         if cycle_ends or server_round == self._last_round:
             if not cycle_ends:
                 log(INFO, "FedCat: last round inside a cycle; returning the average of the copies so far")
-            averaged = self._average_copies(close_cycle=cycle_ends)
+            averaged = self._average_copies(server_round, close_cycle=cycle_ends)
             new_global = new_global if averaged is None else averaged
         metrics = (
             aggregate_metricrecords([reply.content for reply in hop.replies], NUM_EXAMPLES_KEY)
@@ -240,6 +247,7 @@ class FedCat(RelayStrategy):
             "cycle_start": None
             if self._cycle_start is None
             else {key: array.numpy() for key, array in self._cycle_start.items()},
+            "guard": self.guard.state_dict(),
         }
         if self.feddyn is not None:
             state["feddyn"] = self.feddyn.state_dict()
@@ -262,6 +270,7 @@ class FedCat(RelayStrategy):
         self._cycle_start = (
             None if start is None else ArrayRecord({key: Array(np.array(value)) for key, value in start.items()})
         )
+        self.guard.load_state_dict(saved["guard"])
         if self.feddyn is not None:
             self.feddyn.load_state_dict(state["feddyn"])
 
@@ -271,7 +280,7 @@ class FedCat(RelayStrategy):
             raise RuntimeError("FedCat's K is set at the first round; no round has started yet")
         return self._k
 
-    def _follow_nodes(self, nodes: list[int], arrays: ArrayRecord) -> ArrayRecord:
+    def _follow_nodes(self, server_round: int, nodes: list[int], arrays: ArrayRecord) -> ArrayRecord:
         """Fix K at the first round, drop vanished nodes from the groups, and shrink K when fewer
         than K nodes remain. Returns the global model the next copies start from."""
         if self._k is None:
@@ -291,7 +300,7 @@ class FedCat(RelayStrategy):
         log(WARNING, "FedCat: only %s nodes remain for K=%s; K shrinks to %s", len(nodes), self._k, len(nodes))
         # The open cycle is closed early so the copies' training reaches the global model.
         cycle_open = self.concat and self._round_index % self._k != 0
-        self._folded = self._average_copies(close_cycle=True) if cycle_open else None
+        self._folded = self._average_copies(server_round, close_cycle=True) if cycle_open else None
         self._k = len(nodes)
         self._round_index = 0
         self._counts = CountTable(self._k)
@@ -310,18 +319,30 @@ class FedCat(RelayStrategy):
         log(INFO, "FedCat: new groups (%s): %s", reason, self._groups)
         self.record("groups", [list(group) for group in self._groups])
 
-    def _average_copies(self, close_cycle: bool) -> ArrayRecord | None:
-        """Σ d_i·m_i / Σ d_i, or None when no copy has trained yet. With FedDyn, a model that
-        closes the cycle (`close_cycle`) gets FedDyn's server step over the trained copies."""
+    def _average_copies(self, server_round: int, close_cycle: bool) -> ArrayRecord | None:
+        """Σ d_i·m_i / Σ d_i, or None when no copy has trained yet. A model that closes the
+        cycle (`close_cycle`) gets FedDyn's server step over the trained copies (with FedDyn)
+        and the divergence check (recorded as ``divergence``)."""
         if self._data_sizes.sum() <= 0:
             return None
         averaged = weighted_average(self._copies, [float(d) for d in self._data_sizes])
-        if self.feddyn is None or not close_cycle:
+        if not close_cycle:
             return averaged
         assert self._cycle_start is not None
-        trained = [copy for copy, size in zip(self._copies, self._data_sizes) if size > 0]
-        averaged = self.feddyn.step(self._cycle_start, trained, averaged, len(self._copies))
-        self.record("feddyn_h_norm", self.feddyn.h_norm)
+        trained = [(copy, float(size)) for copy, size in zip(self._copies, self._data_sizes) if size > 0]
+        if self.feddyn is not None:
+            averaged = self.feddyn.step(self._cycle_start, [copy for copy, _ in trained], averaged, len(self._copies))
+            self.record("feddyn_h_norm", self.feddyn.h_norm)
+        self.record(
+            "divergence",
+            self.guard.check(
+                self._cycle_start,
+                [copy for copy, _ in trained],
+                [size for _, size in trained],
+                averaged,
+                self.evaluate_on_server(server_round),
+            ),
+        )
         return averaged
 
 
@@ -335,6 +356,8 @@ def build(config: RunConfig, env: ServerEnv) -> FedCat:
         selection=config.fedcat_selection,
         concat=config.fedcat_concat,
         feddyn=feddyn_from_config(config, env),
+        hop_step=config.fedcat_hop_step,
+        hop_clip=config.fedcat_hop_clip,
         fraction_evaluate=config.fraction_evaluate,
         round_timeout=config.timeout,
         seed=config.seed,

@@ -41,6 +41,7 @@ from .common import (
 )
 from .fedavg import sample_count
 from .feddyn import FedDynServer, from_config as feddyn_from_config
+from .sequential import DEFAULT_HOP_CLIP, ChainGuard
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -163,6 +164,9 @@ class FedSeq(RelayStrategy):
         proximal_mu: float = 0.0,
         feddyn: FedDynServer | None = None,
         report_label_counts: bool = False,
+        hop_step: float = 1.0,
+        hop_clip: float = DEFAULT_HOP_CLIP,
+        check_parts: bool = True,
         fraction_evaluate: float = 0.0,
         round_timeout: float | None = None,
         seed: int = 0,
@@ -206,6 +210,8 @@ class FedSeq(RelayStrategy):
         self.proximal_mu = proximal_mu
         self.feddyn = feddyn
         self.report_label_counts = report_label_counts
+        keys = ("fedseq-hop-step", "fedseq-hop-clip")
+        self.guard = ChainGuard(type(self).__name__, hop_step, hop_clip, keys, check_parts)
         self.plan: dict[int, list[int]] = {}  # the superclients as stage 1 built them
         self.superclients: dict[int, list[int]] = {}  # this round's: the plan's connected members
         self.client_samples: dict[int, int] = {}
@@ -389,7 +395,7 @@ class FedSeq(RelayStrategy):
         chains = {chain.superclient: chain for chain in self._chains}
         for reply in hop.replies:
             chain = chains[reply.request.tag]
-            chain.model = reply.arrays
+            chain.model = self.guard.step(chain.model, reply.arrays, first_hop=chain.trained == 0)
             chain.trained += 1
             self._round_metrics.append(RecordDict({METRICS_KEY: reply.metrics}))
         for miss in hop.misses:
@@ -413,7 +419,7 @@ class FedSeq(RelayStrategy):
             ],
         )
         metrics = aggregate_metricrecords(self._round_metrics, NUM_EXAMPLES_KEY) if self._round_metrics else None
-        return self._finish_round([chain for chain in self._chains if chain.trained > 0]), metrics
+        return self._finish_round(server_round, [chain for chain in self._chains if chain.trained > 0]), metrics
 
     def _start_round(self, arrays: ArrayRecord, grid: Grid) -> None:
         """Drop vanished nodes, select superclients, give each a start model and a shuffled chain."""
@@ -437,15 +443,23 @@ class FedSeq(RelayStrategy):
         """(start model, slot) of each of the `count` selected superclients: the global model."""
         return [(arrays, None)] * count
 
-    def _finish_round(self, trained: list[_Chain]) -> ArrayRecord | None:
+    def _finish_round(self, server_round: int, trained: list[_Chain]) -> ArrayRecord | None:
         """|D_S|-weighted average of the superclients that trained (None when none did), with
-        FedDyn's server step when FedDyn is on."""
+        FedDyn's server step when FedDyn is on, and the divergence check."""
         if not trained:
             return None
-        models = [chain.model for chain in trained]
-        average = weighted_average(models, [chain.weight for chain in trained])
+        models, weights = [chain.model for chain in trained], [float(chain.weight) for chain in trained]
         assert self._round_start is not None
-        return self._feddyn_step(self._round_start, models, average, len(self.superclients))
+        average = self._feddyn_step(self._round_start, models, weighted_average(models, weights), len(self.superclients))
+        self._check_divergence(server_round, self._round_start, models, weights, average)
+        return average
+
+    def _check_divergence(
+        self, server_round: int, start: ArrayRecord, models: list[ArrayRecord], weights: list[float], average: ArrayRecord
+    ) -> None:
+        """Record (``divergence``) how far the averaged superclient models ended apart."""
+        evaluate = self.evaluate_on_server(server_round)
+        self.record("divergence", self.guard.check(start, models, weights, average, evaluate))
 
     def _feddyn_step(
         self, previous: ArrayRecord, models: list[ArrayRecord], average: ArrayRecord, num_clients: int
@@ -480,6 +494,7 @@ class FedSeq(RelayStrategy):
             "superclients": {sid: list(nodes) for sid, nodes in self.superclients.items()},
             "client_samples": dict(self.client_samples),
             "exemplars": self._exemplars.copy(),
+            "guard": self.guard.state_dict(),
             **({"feddyn": self.feddyn.state_dict()} if self.feddyn is not None else {}),
         }
 
@@ -490,6 +505,7 @@ class FedSeq(RelayStrategy):
         self.superclients = {int(sid): list(nodes) for sid, nodes in state["superclients"].items()}
         self.client_samples = {int(node): int(n) for node, n in state["client_samples"].items()}
         self._exemplars = np.asarray(state["exemplars"], dtype=np.int64)
+        self.guard.load_state_dict(state["guard"])
         if self.feddyn is not None:
             self.feddyn.load_state_dict(state["feddyn"])
         self._announce_exemplars()
@@ -535,7 +551,7 @@ class FedSeqInter(FedSeq):
         slots = [int(s) for s in self.rng.permutation(len(self._slots))[:count]]
         return [(self._slots[slot], slot) for slot in slots]
 
-    def _finish_round(self, trained: list[_Chain]) -> ArrayRecord | None:
+    def _finish_round(self, server_round: int, trained: list[_Chain]) -> ArrayRecord | None:
         """Write the chains back to their slots; every N_S rounds average and reset the slots."""
         for chain in trained:
             assert chain.slot is not None
@@ -552,7 +568,9 @@ class FedSeqInter(FedSeq):
         self.record("slots", {"samples": list(self.slot_samples), "aggregated": aggregate})
         if aggregate:
             assert self._slot_start is not None
-            average = self._feddyn_step(self._slot_start, [self._slots[i] for i in filled], average, len(self._slots))
+            models, weights = [self._slots[i] for i in filled], [self.slot_samples[i] for i in filled]
+            average = self._feddyn_step(self._slot_start, models, average, len(self._slots))
+            self._check_divergence(server_round, self._slot_start, models, weights, average)
             self._slot_start = average
             self._slots = [average] * len(self._slots)
             self.slot_samples = [0.0] * len(self._slots)
@@ -637,6 +655,8 @@ def build(config: RunConfig, env: ServerEnv) -> FedSeq:
         proximal_mu=config.proximal_mu,
         feddyn=feddyn_from_config(config, env),
         report_label_counts=config.report_label_counts,
+        hop_step=config.fedseq_hop_step,
+        hop_clip=config.fedseq_hop_clip,
         fraction_evaluate=config.fraction_evaluate,
         round_timeout=config.timeout,
         seed=config.seed,

@@ -1,0 +1,97 @@
+"""Run a benchmark cell in one process: concatfl's ServerApp against concatfl's ClientApp.
+
+For studies of the algorithms themselves (many small runs), where a Flower simulation's start-up
+(SuperLink, Ray: ~30 s a run) would cost more than the training. The ServerApp's `main` runs
+unchanged over `InProcessGrid`, which hands every Flower `Message` to the ClientApp of its
+destination node (each node with its own `Context`: node config and persistent state) and
+returns its reply, as a simulation does, minus the transport. Accuracy, bytes and records are
+those of a `flwr run` simulation of the same run config; wall times exclude Flower's messaging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Message, RecordDict
+from flwr.serverapp import Grid
+
+from ..client_app import app as client_app
+from ..config import RunConfig
+from ..metrics import read_metrics
+from ..server_app import main as server_main
+
+Handler = Callable[[Message], Message]
+FIRST_NODE_ID = 1_000  # node ids are arbitrary; partition i runs on node FIRST_NODE_ID + i
+
+
+class InProcessGrid(Grid):
+    """A Grid whose nodes are Python callables answering each message at once."""
+
+    def __init__(self, handlers: Mapping[int, Handler]) -> None:
+        self.handlers = dict(handlers)
+        self._replies: dict[str, Message] = {}
+        self._sent = 0
+
+    def set_run(self, run_id: int) -> None:
+        raise NotImplementedError("an in-process grid serves one run")
+
+    @property
+    def run(self):  # type: ignore[override]
+        raise NotImplementedError("an in-process grid serves one run")
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:  # type: ignore[override]
+        raise NotImplementedError("build Message objects directly")
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.handlers)
+
+    def get_nodes(self):  # type: ignore[override]
+        raise NotImplementedError("use get_node_ids")
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Give each message an id (as Flower does on push) and answer it at once."""
+        batch = list(messages)
+        for message in batch:
+            self._sent += 1
+            message.metadata.__dict__["_message_id"] = f"message-{self._sent}"
+        for reply in self._answer(batch):
+            self._replies[reply.metadata.reply_to_message_id] = reply
+        return [message.metadata.message_id for message in batch]
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self._replies.pop(message_id) for message_id in list(message_ids) if message_id in self._replies]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self._answer(list(messages))
+
+    def _answer(self, batch: list[Message]) -> list[Message]:
+        replies = []
+        for message in batch:
+            handler = self.handlers.get(message.metadata.dst_node_id)
+            if handler is None:
+                raise ValueError(f"invalid destination node id {message.metadata.dst_node_id}")
+            replies.append(handler(message))
+        return replies
+
+
+def client_node(run_config: dict[str, Any], partition_id: int, num_partitions: int) -> Handler:
+    """concatfl's ClientApp as the node holding partition `partition_id`, with its own state."""
+    context = Context(
+        run_id=1,
+        node_id=FIRST_NODE_ID + partition_id,
+        node_config={"partition-id": partition_id, "num-partitions": num_partitions},
+        state=RecordDict(),
+        run_config=run_config,
+    )
+    return lambda message: client_app(message, context)
+
+
+def simulate_in_process(run_config: Mapping[str, Any], num_supernodes: int, workdir: Path) -> dict[str, Any]:
+    """Run one cell (`run_config` over the run config's defaults) with `num_supernodes` clients;
+    metrics.json goes to `<workdir>/output` and is returned."""
+    config = RunConfig.from_mapping({**run_config, "output-dir": str(Path(workdir) / "output")}).as_dict()
+    grid = InProcessGrid({FIRST_NODE_ID + i: client_node(config, i, num_supernodes) for i in range(num_supernodes)})
+    server_main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config))
+    return read_metrics(config["output-dir"])

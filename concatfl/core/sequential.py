@@ -1,0 +1,146 @@
+"""Rules shared by the sequential strategies (FedCat's copies, FedSeq's superclient chains).
+
+A model that travels a chain of clients is trained by each of them in turn. With large local
+steps (a high learning rate, momentum, many epochs) on label-skewed clients, a hop that starts
+from a model fitted to the previous client's classes meets a large loss and takes a much larger
+step than a hop from the averaged model: it overwrites what the chain learned (on a CNN it can
+kill most ReLU channels), the chains end far apart, and their average can sit at chance. The
+rules here bound that without asking anything of the client:
+
+* `hop_step_size`: the server moves the travelling model by s·(returned − sent) with
+  s = min(η, c·r/‖returned − sent‖): η is a fixed server step (1 = take the reply as is), and
+  the bound c·r lets no hop move the model more than c times r, the median length of the
+  recent *first* hops (hops that start from the averaged model, like FedAvg's client updates).
+  Hops that are no larger than first hops are taken unchanged (c = 0 turns the bound off:
+  with η = 1 that is the papers' algorithm exactly).
+* `damp`: sent + s·(returned − sent).
+* `divergence`: how far the chains' models ended from each other, relative to how far they
+  moved, measured when they are averaged (recorded in metrics.json with the hop-length ratio).
+
+Models are `{name: numpy array}` mappings; everything here is pure numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Weights = Mapping[str, np.ndarray]
+
+# How many recent first-hop lengths make the reference r (a few cycles' worth of first hops).
+REFERENCE_HOPS = 10
+# Later hops that average more than this many times a first hop's length overwrite their chain:
+# measured on digits (#C=2, 10 clients, K = 4): 1.2–1.6 with plain SGD (lr 0.05), where the
+# papers' FedCat learns as well as FedAvg, 2.9–3.6 with momentum 0.9, where it falls 34 points
+# behind (docs/results.md, "Sequential training under ordinary client optimizers").
+HOP_LENGTH_RATIO_LIMIT = 2.0
+# Averaging the models of healthy chains does not lose accuracy against the models themselves.
+AVERAGE_ACCURACY_DROP_LIMIT = 0.15
+
+
+def update_norm(sent: Weights, returned: Weights) -> float:
+    """‖returned − sent‖ over the floating-point arrays."""
+    return float(np.linalg.norm(flatten(returned) - flatten(sent)))
+
+
+def reference_length(first_hop_lengths: Sequence[float]) -> float | None:
+    """r: the median of the recent first-hop lengths (None before any first hop)."""
+    return float(np.median(first_hop_lengths)) if len(first_hop_lengths) else None
+
+
+def hop_step_size(length: float, reference: float | None, hop_step: float, hop_clip: float) -> float:
+    """s = min(η, c·r/length): the share of a hop's update (of this `length`) the server takes.
+
+    No bound applies when `hop_clip` c is 0, when there is no reference r yet, or for a hop
+    that did not move the model.
+    """
+    if hop_clip <= 0 or reference is None or length <= 0:
+        return hop_step
+    return min(hop_step, hop_clip * reference / length)
+
+
+def damp(sent: Weights, returned: Weights, step: float) -> dict[str, np.ndarray]:
+    """sent + step·(returned − sent), key by key, each array keeping its dtype.
+
+    Integer arrays (BatchNorm's `num_batches_tracked`) are counters, not weights: they take the
+    returned value. `step` = 1 returns `returned` exactly.
+    """
+    if not 0.0 < step <= 1.0:
+        raise ValueError(f"the hop step must be in (0, 1], got {step}")
+    if set(sent) != set(returned):
+        raise ValueError(f"models differ in keys: {sorted(set(sent) ^ set(returned))}")
+    damped = {}
+    for key, before in sent.items():
+        after = returned[key]
+        if step == 1.0 or not np.issubdtype(before.dtype, np.floating):
+            damped[key] = np.array(after, copy=True)
+        else:
+            moved = before.astype(np.float64) + step * (after.astype(np.float64) - before.astype(np.float64))
+            damped[key] = moved.astype(before.dtype)
+    return damped
+
+
+def flatten(model: Weights) -> np.ndarray:
+    """The model's floating-point arrays as one float64 vector (keys in sorted order)."""
+    floats = [
+        np.asarray(model[key], dtype=np.float64).ravel()
+        for key in sorted(model)
+        if np.issubdtype(np.asarray(model[key]).dtype, np.floating)
+    ]
+    return np.concatenate(floats) if floats else np.zeros(0)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """How far the chains' models ended apart when they were averaged.
+
+    `update` is the mean distance each model moved from the common start, `spread` the mean
+    distance of each model from their weighted average, `ratio` = spread / update (0: the
+    chains all moved alike; ≈ sqrt(1 − 1/K): K independent directions of equal length).
+    """
+
+    update: float
+    spread: float
+    ratio: float
+
+    def as_record(self) -> dict[str, float]:
+        """JSON-ready, rounded."""
+        return {"update": round(self.update, 6), "spread": round(self.spread, 6), "ratio": round(self.ratio, 4)}
+
+
+def divergence(start: Weights, models: Sequence[Weights], weights: Sequence[float]) -> Divergence:
+    """The `Divergence` of `models` (all trained from `start`) around their `weights`-weighted mean."""
+    if not models:
+        raise ValueError("no models to compare")
+    origin = flatten(start)
+    vectors = np.stack([flatten(model) for model in models])
+    share = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
+    average = share @ vectors
+    update = float(np.mean(np.linalg.norm(vectors - origin, axis=1)))
+    spread = float(np.mean(np.linalg.norm(vectors - average, axis=1)))
+    return Divergence(update, spread, spread / update if update > 0 else 0.0)
+
+
+def diverged(
+    hop_length_ratio: float | None, average_accuracy: float | None, part_accuracies: Sequence[float]
+) -> str | None:
+    """Why these chains look broken, or None when they do not.
+
+    Two independent signs: later hops were much longer than first hops (`hop_length_ratio`,
+    measured before any bound), or the average scores much worse than the models it averages.
+    """
+    if hop_length_ratio is not None and hop_length_ratio > HOP_LENGTH_RATIO_LIMIT:
+        return (
+            f"hops after the first moved the model {hop_length_ratio:.1f}× as far as first hops "
+            f"(limit {HOP_LENGTH_RATIO_LIMIT}): each client overwrites what the chain learned"
+        )
+    if average_accuracy is not None and part_accuracies:
+        mean_part = float(np.mean(part_accuracies))
+        if average_accuracy < mean_part - AVERAGE_ACCURACY_DROP_LIMIT:
+            return (
+                f"the average scores {average_accuracy:.3f} while the models it averages score "
+                f"{mean_part:.3f} on average"
+            )
+    return None

@@ -1,0 +1,168 @@
+"""The server's guard over sequentially trained models, shared by FedCat and FedSeq/FedSeqInter.
+
+`ChainGuard.step` folds a client's reply into the model that travels: the hop's update is
+taken with the step size of `concatfl.core.sequential.hop_step_size` (a fixed server step η
+and a bound on hops much longer than first hops). `ChainGuard.check` runs whenever the
+travelling models are averaged: it measures how far they ended apart, how long the later hops
+were against first hops, and (optionally) whether the average lost accuracy against the
+models, returns that as a JSON-ready record for metrics.json, and logs one WARNING per run the
+first time the chains look broken.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from logging import WARNING
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, MetricRecord
+from flwr.supercore import log
+
+from ..core.sequential import (
+    REFERENCE_HOPS,
+    damp,
+    diverged,
+    divergence,
+    hop_step_size,
+    reference_length,
+    update_norm,
+)
+
+Evaluate = Callable[[ArrayRecord], MetricRecord | None]
+# The bound FedCat and FedSeq use unless told otherwise (docs/strategies.md gives the evidence).
+DEFAULT_HOP_CLIP = 1.5
+
+
+def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """An ArrayRecord's arrays as numpy, by key."""
+    return {key: array.numpy() for key, array in record.items()}
+
+
+def to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    """Numpy arrays by key as an ArrayRecord (same key order)."""
+    return ArrayRecord({key: Array(np.asarray(value)) for key, value in arrays.items()})
+
+
+class ChainGuard:
+    """Bounded hops and the divergence check of one strategy.
+
+    Parameters
+    ----------
+    strategy : str
+        Name used in log messages ("FedCat", "FedSeq", …).
+    hop_step : float
+        η in (0, 1]: the largest share of a hop's update the server takes (1: all of it).
+    hop_clip : float
+        c ≥ 0: a hop may move the model at most c times the median length of the recent first
+        hops (those that start from the averaged model); longer hops are scaled down to that
+        length. 0 turns the bound off; with `hop_step` = 1 that is the paper's algorithm.
+    keys : tuple[str, str]
+        The run-config keys of `hop_step` and `hop_clip`, named in the warning.
+    check_parts : bool
+        Evaluate every averaged model (with the run's `evaluate_fn`) besides their average, to
+        tell whether averaging lost accuracy; costs one server evaluation per averaged model.
+    """
+
+    # pylint: disable=too-many-arguments
+    def __init__(
+        self, strategy: str, hop_step: float, hop_clip: float, keys: tuple[str, str], check_parts: bool = True
+    ) -> None:
+        if not 0.0 < hop_step <= 1.0:
+            raise ValueError(f"hop_step must be in (0, 1] (1 = take each reply as it is), got {hop_step}")
+        if hop_clip < 0:
+            raise ValueError(f"hop_clip must be >= 0 (0 = no bound), got {hop_clip}")
+        self.strategy = strategy
+        self.hop_step = hop_step
+        self.hop_clip = hop_clip
+        self.keys = keys
+        self.check_parts = check_parts
+        self._first_lengths: deque[float] = deque(maxlen=REFERENCE_HOPS)
+        self._later_ratios: list[float] = []  # since the last check: later hop length / reference
+        self._steps: list[float] = []  # since the last check: the step size each hop was given
+        self._warned = False
+
+    def step(self, sent: ArrayRecord, returned: ArrayRecord, first_hop: bool) -> ArrayRecord:
+        """The travelling model after a reply to `sent`; `first_hop`: `sent` is the averaged
+        model the chain started from (its length joins the reference instead of being bounded)."""
+        length = update_norm(to_numpy(sent), to_numpy(returned))
+        reference = reference_length(self._first_lengths)
+        if first_hop:
+            self._first_lengths.append(length)
+            size = self.hop_step
+        else:
+            if reference is not None and reference > 0:
+                self._later_ratios.append(length / reference)
+            size = hop_step_size(length, reference, self.hop_step, self.hop_clip)
+        self._steps.append(size)
+        if size == 1.0:
+            return returned
+        return to_record(damp(to_numpy(sent), to_numpy(returned), size))
+
+    def check(
+        self,
+        start: ArrayRecord,
+        models: Sequence[ArrayRecord],
+        weights: Sequence[float],
+        average: ArrayRecord,
+        evaluate: Evaluate | None,
+    ) -> dict[str, Any]:
+        """The divergence record of `models` (trained from `start`, averaged into `average`)
+        and of the hops since the last check; logs the run's one warning the first time the
+        chains look broken."""
+        record: dict[str, Any] = divergence(to_numpy(start), [to_numpy(m) for m in models], weights).as_record()
+        hop_ratio = float(np.median(self._later_ratios)) if self._later_ratios else None
+        if hop_ratio is not None:
+            record["hop_length_ratio"] = round(hop_ratio, 4)
+        if self._steps:
+            record["hop_steps"] = {"min": round(min(self._steps), 4), "mean": round(float(np.mean(self._steps)), 4)}
+        self._later_ratios, self._steps = [], []
+        average_accuracy, part_accuracies = None, []
+        if self.check_parts and evaluate is not None:
+            scores = [_accuracy(evaluate(model)) for model in models]
+            average_score = _accuracy(evaluate(average))
+            if average_score is not None and None not in scores:
+                average_accuracy, part_accuracies = average_score, [float(a) for a in scores if a is not None]
+                record["part_accuracy"] = [round(a, 4) for a in part_accuracies]
+                record["average_accuracy"] = round(average_accuracy, 4)
+        reason = diverged(hop_ratio, average_accuracy, part_accuracies)
+        record["diverged"] = reason is not None
+        if reason is not None and not self._warned:
+            self._warned = True
+            log(
+                WARNING,
+                "%s: the sequentially trained models diverge: %s. The clients' local steps (lr, momentum, "
+                "local-epochs) are too large for chains of label-skewed clients. Lower them, or bound the "
+                "server's hops with %s (now %s; 1.5 bounds hops to 1.5x a first hop) or %s (now %s). Recorded "
+                "per aggregation as 'divergence' in metrics.json; this warning is logged once per run.",
+                self.strategy,
+                reason,
+                self.keys[1],
+                self.hop_clip,
+                self.keys[0],
+                self.hop_step,
+            )
+        return record
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to bound its hops exactly as this one would."""
+        return {
+            "first_lengths": list(self._first_lengths),
+            "later_ratios": list(self._later_ratios),
+            "steps": list(self._steps),
+            "warned": self._warned,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output."""
+        self._first_lengths = deque((float(x) for x in state["first_lengths"]), maxlen=REFERENCE_HOPS)
+        self._later_ratios = [float(x) for x in state["later_ratios"]]
+        self._steps = [float(x) for x in state["steps"]]
+        self._warned = bool(state["warned"])
+
+
+def _accuracy(metrics: MetricRecord | None) -> float | None:
+    if metrics is None or "accuracy" not in metrics:
+        return None
+    return float(metrics["accuracy"])  # type: ignore[arg-type]
