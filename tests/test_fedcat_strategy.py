@@ -381,6 +381,13 @@ def test_build_reads_the_fedcat_run_config():
     assert (strategy.selection, strategy.concat, strategy.round_timeout) == ("random", False, None)
 
 
+def test_fedcat_takes_the_papers_ten_percent_unless_k_or_a_fraction_is_given():
+    assert DefaultFedCat().fraction_train == 0.1
+    assert build_strategy(RunConfig(strategy="fedcat"), env=None).fraction_train == 0.1
+    assert build_strategy(RunConfig(strategy="fedcat", fraction_train=0.3), env=None).fraction_train == 0.3
+    assert build_strategy(RunConfig(strategy="fedcat", fedcat_k=5), env=None).k == 5
+
+
 def test_invalid_parameters_fail_clearly():
     for kwargs in ({"k": 1}, {"group_cycles": 0}, {"epsilon": 1.5}, {"selection": "best"}, {"fraction_train": 0}):
         with pytest.raises(ValueError):

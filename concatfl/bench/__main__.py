@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ..data.datasets import DATASETS
 from ..launch import exit_on_sigterm
-from . import overhead
+from . import overhead, stability
+from .inprocess import simulate_in_process
 from .runner import BenchError, cell_config, run_suite, select_cells, simulate_with_flower
 from .suites import BLUEPRINTS, SCALES, SUITE_NAMES, Suite, get_suite
 
@@ -53,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         return overhead.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m concatfl.bench", description=__doc__)
     parser.add_argument(
-        "suite", choices=(*SUITE_NAMES, overhead.SUITE), help=f"{overhead.SUITE} comes first, before its own options"
+        "suite",
+        choices=(*SUITE_NAMES, stability.SUITE, overhead.SUITE),
+        help=f"{overhead.SUITE} comes first, before its own options",
     )
     parser.add_argument(
         "--scale", choices=SCALES, help=f"for {', '.join(BLUEPRINTS)} (default smoke); the digits suites have one"
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == overhead.SUITE:
         parser.error(f"put {overhead.SUITE} first: python -m concatfl.bench {overhead.SUITE} [options]")
     try:
-        suite = get_suite(args.suite, args.scale)
+        suite = stability.suite() if args.suite == stability.SUITE else get_suite(args.suite, args.scale)
     except ValueError as error:
         parser.error(str(error))
     seeds = [int(seed) for seed in args.seeds.split(",")]
@@ -94,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             data_dirs=parse_data_dirs(args.data_dir),
             methods=args.method,
             settings=args.setting,
-            simulate=simulate_with_flower(args.cell_timeout, args.cpus_per_client, args.gpus_per_client),
+            simulate=simulate_in_process
+            if suite.in_process
+            else simulate_with_flower(args.cell_timeout, args.cpus_per_client, args.gpus_per_client),
         )
     except BenchError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -10,12 +10,14 @@ those of a `flwr run` simulation of the same run config; wall times exclude Flow
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
 
 from ..client_app import app as client_app
 from ..config import RunConfig
@@ -93,5 +95,13 @@ def simulate_in_process(run_config: Mapping[str, Any], num_supernodes: int, work
     metrics.json goes to `<workdir>/output` and is returned."""
     config = RunConfig.from_mapping({**run_config, "output-dir": str(Path(workdir) / "output")}).as_dict()
     grid = InProcessGrid({FIRST_NODE_ID + i: client_node(config, i, num_supernodes) for i in range(num_supernodes)})
-    server_main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config))
+    # Flower stamps every new Message with the running task's identity, which its runtime sets.
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+    flower_log = logging.getLogger("flwr")
+    level = flower_log.level
+    flower_log.setLevel(logging.WARNING)  # the harness prints one line per run; warnings still show
+    try:
+        server_main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config))
+    finally:
+        flower_log.setLevel(level)
     return read_metrics(config["output-dir"])

@@ -271,4 +271,6 @@ def write_report(suite: Suite, seeds: Sequence[int], suite_dir: Path) -> Path:
     table.write_text(render_markdown(suite, seeds, runs))
     write_csv(suite, seeds, runs, suite_dir / TABLE_CSV)
     plot_curves(suite, runs, suite_dir / PLOTS_DIR)
+    if suite.extra_plot is not None:
+        suite.extra_plot(suite, runs, suite_dir / PLOTS_DIR)
     return table

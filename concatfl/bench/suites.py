@@ -73,7 +73,9 @@ class Suite:
     `columns[0]` is the accuracy the `paper` figures sit next to; `paper` is None for suites
     without a paper column, else (method, setting name) → the paper's figure (None: unknown).
     `targets` adds "rounds to reach t × the reference accuracy" columns. `subsample` is the real
-    data the scale trains on (None: the whole dataset).
+    data the scale trains on (None: the whole dataset). `in_process` runs the cells with
+    `concatfl.bench.inprocess` instead of `flwr run` simulations; `extra_plot(suite, runs,
+    plots_dir)` draws a suite-specific figure beside the standard ones.
     """
 
     name: str
@@ -85,6 +87,8 @@ class Suite:
     targets: tuple[float, ...] = ()
     paper: Mapping[tuple[str, str], float | None] | None = None
     subsample: Subsample | None = None
+    in_process: bool = False
+    extra_plot: Callable[[Suite, dict[tuple[str, str], list[dict[str, Any]]], Path], Path] | None = None
 
     @property
     def settings(self) -> list[Setting]:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ..runtime import ServerEnv
 
 SELECTIONS = ("grouped-count", "random")
+PAPER_FRACTION = 0.1  # the FedCat paper's share of devices selected per round
 
 
 class FedCat(RelayStrategy):
@@ -74,8 +75,9 @@ class FedCat(RelayStrategy):
     k : int (default: 0)
         Devices per round K (= copies = rounds per cycle). 0 picks round(fraction_train · N),
         at least 2, from the N nodes connected at the first round.
-    fraction_train : float (default: 1.0)
-        Only used when `k` is 0.
+    fraction_train : float (default: 0.1)
+        Only used when `k` is 0. The paper selects 10 % of the devices per round; 1.0 would make
+        K = N: groups of one device and a cycle as long as the number of nodes.
     group_cycles : int (default: 2)
         λ: groups are redrawn every λ cycles (λ·K rounds). The paper gives no value. A group
         supplies one device per round, so a grouping lasting λ·K rounds can rotate through all
@@ -109,7 +111,7 @@ class FedCat(RelayStrategy):
     def __init__(
         self,
         k: int = 0,
-        fraction_train: float = 1.0,
+        fraction_train: float = PAPER_FRACTION,
         group_cycles: int = 2,
         epsilon: float = 0.5,
         selection: str = "grouped-count",
@@ -346,11 +348,20 @@ class FedCat(RelayStrategy):
         return averaged
 
 
+def _fraction(config: RunConfig) -> float:
+    """The share of devices per round: fraction-train, except its default 1.0 (every node, so
+    K = N), which FedCat replaces by the paper's 10 % when fedcat-k does not set K."""
+    if config.fedcat_k == 0 and config.fraction_train == 1.0:
+        log(INFO, "FedCat: fraction-train=1.0 would make K = N; K is %s of the nodes (the paper's)", PAPER_FRACTION)
+        return PAPER_FRACTION
+    return config.fraction_train
+
+
 def build(config: RunConfig, env: ServerEnv) -> FedCat:
     """FedCat (or one of its ablations) from the run config."""
     return FedCat(
         k=config.fedcat_k,
-        fraction_train=config.fraction_train,
+        fraction_train=_fraction(config),
         group_cycles=config.fedcat_lambda,
         epsilon=config.fedcat_epsilon,
         selection=config.fedcat_selection,

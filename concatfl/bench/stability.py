@@ -1,0 +1,174 @@
+"""The `sequential-stability` suite: where the papers' sequential algorithms collapse, and why.
+
+FedAvg, FedCat (the paper's algorithm, its "w/ GC" ablation, and concatfl's default with
+bounded hops) and FedSeq (the paper's algorithm and the default) at equal rounds on digits,
+over a grid of the quantities that decide whether a chain of label-skewed clients keeps what
+it learned:
+
+* the local step: lr and momentum (an effective step lr/(1 − momentum)), × local epochs;
+* the label skew: two classes per client (#C=2) or Dirichlet α = 0.1;
+* the chain length: K = 2 or 8 devices per round for FedCat (20 clients), superclients of
+  about 2 or 8 clients for FedSeq.
+
+Besides accuracy, each cell reports the measurements that explain it, from the strategies'
+`divergence` records: how much longer later hops were than first hops (`hop_length_ratio`),
+the spread of the averaged models relative to how far they moved, and the smallest step the
+bound applied. The runs go through `concatfl.bench.inprocess` (the ServerApp and ClientApp in
+one process: ~200 runs fit about an hour on 2 cores). `map.png` plots each method's accuracy
+over the settings, FedAvg as the reference line.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from .columns import FINAL_ACCURACY, TOTAL_MEGABYTES, WALL_SECONDS, Column, Metrics
+from .suites import Cell, Setting, Suite
+
+SUITE = "sequential-stability"
+MAP_PLOT = "map.png"
+PAPER_EXACT = {"fedcat-hop-clip": 0.0, "fedseq-hop-clip": 0.0}
+
+CLIENTS = 10
+DEVICES_PER_ROUND = 4  # K; FedAvg trains the same number of clients per round
+SAMPLES_PER_CLIENT = 1437 // CLIENTS  # digits' 1,437 training images, no local test split
+BASE = {
+    "dataset": "digits",
+    "partition": "classes",
+    "classes-per-client": 2,
+    "num-server-rounds": 30,
+    "batch-size": 16,
+    "local-test-fraction": 0.0,
+    "fedseq-pretrain-epochs": 5,
+    "device": "cpu",
+}
+# (lr, momentum): effective steps lr/(1 − momentum) of 0.05, 0.1, 0.5 and 1.0.
+STEPS = ((0.05, 0.0), (0.01, 0.9), (0.05, 0.9), (0.1, 0.9))
+
+
+def _setting(name: str, label: str, clients: int, k: int, chain_clients: int, **overrides: Any) -> tuple:
+    """A setting: its clients, FedCat's K (FedAvg's fraction K/N), FedSeq's superclient size."""
+    config = {
+        **BASE,
+        **overrides,
+        "min-available-nodes": clients,
+        "fraction-train": k / clients,
+        "fedcat-k": k,
+        # A superclient grows until it holds this many samples: about `chain_clients` clients.
+        "fedseq-min-samples": (chain_clients - 1) * (1437 // clients) + 1,
+        "fedseq-max-clients": chain_clients,
+    }
+    return Setting(name, label), clients, config
+
+
+def _label(lr: float, momentum: float, epochs: int) -> str:
+    return f"lr {lr:g}, mom {momentum:g} (step {lr / (1 - momentum):g}), {epochs} ep"
+
+
+SETTINGS = [
+    *(
+        _setting(f"c2-lr{lr:g}-m{m:g}-e{e}", f"#C=2, {_label(lr, m, e)}", CLIENTS, DEVICES_PER_ROUND, 5,
+                 lr=lr, momentum=m, **{"local-epochs": e})
+        for e in (1, 5)
+        for lr, m in STEPS
+    ),
+    *(
+        _setting(f"dir0.1-lr{lr:g}-m{m:g}-e1", f"Dir(0.1), {_label(lr, m, 1)}", CLIENTS, DEVICES_PER_ROUND, 5,
+                 partition="dirichlet", alpha=0.1, lr=lr, momentum=m, **{"local-epochs": 1})
+        for lr, m in ((0.05, 0.0), (0.05, 0.9))
+    ),
+    *(
+        _setting(f"chain{k}-lr0.05-m0.9-e1", f"#C=2, 20 clients, K={k} / superclients of ~{k}, {_label(0.05, 0.9, 1)}",
+                 20, k, k, lr=0.05, momentum=0.9, **{"local-epochs": 1})
+        for k in (2, 8)
+    ),
+]
+
+METHODS: dict[str, dict[str, Any]] = {
+    "FedAvg": {"strategy": "fedavg"},
+    "FedCat (paper-exact)": {"strategy": "fedcat", **PAPER_EXACT},
+    "FedCat w/ GC (paper-exact)": {"strategy": "fedcat", "fedcat-concat": False, **PAPER_EXACT},
+    "FedCat (default: bounded hops)": {"strategy": "fedcat"},
+    "FedSeq (paper-exact)": {"strategy": "fedseq", **PAPER_EXACT},
+    "FedSeq (default: bounded hops)": {"strategy": "fedseq"},
+}
+
+
+def _divergence_mean(key: str) -> Callable[[Metrics], float | None]:
+    """Mean over the run's aggregations of one number of its `divergence` records."""
+
+    def extract(metrics: Metrics) -> float | None:
+        values = [r["divergence"][key] for r in metrics["rounds"] if key in r.get("divergence", {})]
+        return statistics.fmean(values) if values else None
+
+    return extract
+
+
+def _smallest_step(metrics: Metrics) -> float | None:
+    steps = [r["divergence"]["hop_steps"]["min"] for r in metrics["rounds"] if "hop_steps" in r.get("divergence", {})]
+    return min(steps) if steps else None
+
+
+def suite() -> Suite:
+    """The map's cells: every method in every setting."""
+    cells = tuple(
+        Cell(setting, method, clients, {**config, **overrides})
+        for setting, clients, config in SETTINGS
+        for method, overrides in METHODS.items()
+    )
+    columns = (
+        FINAL_ACCURACY,
+        Column("later/first hop length", _divergence_mean("hop_length_ratio"), 2),
+        Column("spread/update of averaged models", _divergence_mean("ratio"), 2),
+        Column("accuracy of the averaged models (mean)", _divergence_mean("average_accuracy"), 3),
+        Column("smallest hop step taken", _smallest_step, 2),
+        TOTAL_MEGABYTES,
+        WALL_SECONDS,
+    )
+    notes = (
+        f"digits, ~{SAMPLES_PER_CLIENT} training images per client (~72 with 20 clients), no local test split; "
+        "30 rounds; batch 16; FedCat's K = FedAvg's clients per round (fraction-train K/N); FedSeq trains the "
+        "same fraction of its superclients per round (one superclient here)",
+        "paper-exact = fedcat-hop-clip / fedseq-hop-clip 0; default = bounded hops (hop-clip 1.5)",
+        "runs in one process (concatfl.bench.inprocess): the same ServerApp and ClientApp as `flwr run`, no transport",
+    )
+    return Suite(
+        SUITE, "digits", "where sequential training collapses", cells, columns, notes,
+        in_process=True, extra_plot=plot_map,
+    )
+
+
+def plot_map(the_suite: Suite, runs: dict[tuple[str, str], list[Metrics]], directory: Path) -> Path:
+    """Final accuracy of each method (mean ± std over seeds) in each setting, FedAvg as a line."""
+    settings = the_suite.settings
+    figure = Figure(figsize=(11, 5.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    positions = range(len(settings))
+    methods = the_suite.methods
+    width = 0.8 / len(methods)
+    for index, method in enumerate(methods):
+        means, stds = [], []
+        for setting in settings:
+            accuracies = [100 * m["final_accuracy"] for m in runs.get((setting.name, method), [])]
+            means.append(statistics.fmean(accuracies) if accuracies else float("nan"))
+            stds.append(statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0)
+        if method == "FedAvg":
+            axes.plot(positions, means, color="black", marker="o", linewidth=2, label=method, zorder=3)
+            continue
+        offsets = [p - 0.4 + width * (index + 0.5) for p in positions]
+        axes.errorbar(offsets, means, yerr=stds, fmt="o", capsize=2, label=method)
+    axes.set_xticks(list(positions), [s.label for s in settings], rotation=30, ha="right", fontsize="small")
+    axes.set(ylabel="final accuracy (%), mean ± std over seeds", title=f"{SUITE}: accuracy after 30 rounds")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / MAP_PLOT
+    figure.savefig(path, dpi=110)
+    return path
