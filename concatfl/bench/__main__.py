@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m concatfl.bench", description=__doc__)
     parser.add_argument(
         "suite",
-        choices=(*SUITE_NAMES, stability.SUITE, overhead.SUITE),
+        choices=(*SUITE_NAMES, *stability.SUITES, overhead.SUITE),
         help=f"{overhead.SUITE} comes first, before its own options",
     )
     parser.add_argument(
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == overhead.SUITE:
         parser.error(f"put {overhead.SUITE} first: python -m concatfl.bench {overhead.SUITE} [options]")
     try:
-        suite = stability.suite() if args.suite == stability.SUITE else get_suite(args.suite, args.scale)
+        suite = stability.SUITES[args.suite]() if args.suite in stability.SUITES else get_suite(args.suite, args.scale)
     except ValueError as error:
         parser.error(str(error))
     seeds = [int(seed) for seed in args.seeds.split(",")]

@@ -29,9 +29,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from .columns import FINAL_ACCURACY, TOTAL_MEGABYTES, WALL_SECONDS, Column, Metrics
+from .data import Subsample
 from .suites import Cell, Setting, Suite
 
 SUITE = "sequential-stability"
+MNIST_SUITE = "sequential-stability-mnist"
 MAP_PLOT = "map.png"
 PAPER_EXACT = {"fedcat-hop-clip": 0.0, "fedseq-hop-clip": 0.0}
 
@@ -115,6 +117,18 @@ def _smallest_step(metrics: Metrics) -> float | None:
     return min(steps) if steps else None
 
 
+COLUMNS = (
+    FINAL_ACCURACY,
+    Column("later/first hop length", _divergence_mean("hop_length_ratio"), 2),
+    Column("spread/update of averaged models", _divergence_mean("ratio"), 2),
+    Column("accuracy of the averaged models (mean)", _divergence_mean("average_accuracy"), 3),
+    Column("smallest hop step taken", _smallest_step, 2),
+    TOTAL_MEGABYTES,
+    WALL_SECONDS,
+)
+IN_PROCESS_NOTE = "runs in one process (concatfl.bench.inprocess): the ServerApp and ClientApp of `flwr run`, no transport"
+
+
 def suite() -> Suite:
     """The map's cells: every method in every setting."""
     cells = tuple(
@@ -122,26 +136,52 @@ def suite() -> Suite:
         for setting, clients, config in SETTINGS
         for method, overrides in METHODS.items()
     )
-    columns = (
-        FINAL_ACCURACY,
-        Column("later/first hop length", _divergence_mean("hop_length_ratio"), 2),
-        Column("spread/update of averaged models", _divergence_mean("ratio"), 2),
-        Column("accuracy of the averaged models (mean)", _divergence_mean("average_accuracy"), 3),
-        Column("smallest hop step taken", _smallest_step, 2),
-        TOTAL_MEGABYTES,
-        WALL_SECONDS,
-    )
     notes = (
         f"digits, ~{SAMPLES_PER_CLIENT} training images per client (~72 with 20 clients), no local test split; "
         "30 rounds; batch 16; FedCat's K = FedAvg's clients per round (fraction-train K/N); FedSeq trains the "
         "same fraction of its superclients per round (one superclient here)",
         "paper-exact = fedcat-hop-clip / fedseq-hop-clip 0; default = bounded hops (hop-clip 1.5)",
-        "runs in one process (concatfl.bench.inprocess): the same ServerApp and ClientApp as `flwr run`, no transport",
+        IN_PROCESS_NOTE,
     )
     return Suite(
-        SUITE, "digits", "where sequential training collapses", cells, columns, notes,
+        SUITE, "digits", "where sequential training collapses", cells, COLUMNS, notes,
         in_process=True, extra_plot=plot_map,
     )
+
+
+def mnist_suite() -> Suite:
+    """The FedCat paper's MNIST regime at CPU size: 600 images per client, its model and optimizer."""
+    setting = Setting("mnist-dir0.1", "MNIST Dir(0.1), 20 clients × 600 images, K=4, 5 ep, lr 0.01, mom 0.9")
+    config = {
+        "dataset": "mnist",
+        "model": "mcmahan-cnn",
+        "partition": "dirichlet",
+        "alpha": 0.1,
+        "num-server-rounds": 12,
+        "fraction-train": 0.2,
+        "fedcat-k": 4,
+        "local-epochs": 5,
+        "batch-size": 50,
+        "lr": 0.01,
+        "momentum": 0.9,
+        "local-test-fraction": 0.0,
+        "min-available-nodes": 20,
+        "device": "cpu",
+    }
+    methods = ("FedAvg", "FedCat (paper-exact)", "FedCat (default: bounded hops)")
+    cells = tuple(Cell(setting, method, 20, {**config, **METHODS[method]}) for method in methods)
+    notes = (
+        "the FedCat paper's data per client (600 MNIST images: a stratified 12,000-image subsample; 1,000 test "
+        "images), model and optimizer; 20 clients instead of 100, K = 4 instead of 10, 12 rounds instead of 200",
+        IN_PROCESS_NOTE,
+    )
+    return Suite(
+        MNIST_SUITE, "small", "the FedCat paper's MNIST regime", cells, COLUMNS, notes,
+        subsample=Subsample(12_000, 1_000), in_process=True,
+    )
+
+
+SUITES = {SUITE: suite, MNIST_SUITE: mnist_suite}
 
 
 def plot_map(the_suite: Suite, runs: dict[tuple[str, str], list[Metrics]], directory: Path) -> Path:
