@@ -30,12 +30,11 @@ from matplotlib.figure import Figure
 
 from .columns import FINAL_ACCURACY, TOTAL_MEGABYTES, WALL_SECONDS, Column, Metrics
 from .data import Subsample
-from .suites import Cell, Setting, Suite
+from .suites import PAPER_EXACT, Cell, Setting, Suite
 
 SUITE = "sequential-stability"
 MNIST_SUITE = "sequential-stability-mnist"
 MAP_PLOT = "map.png"
-PAPER_EXACT = {"fedcat-hop-clip": 0.0, "fedseq-hop-clip": 0.0}
 
 CLIENTS = 10
 DEVICES_PER_ROUND = 4  # K; FedAvg trains the same number of clients per round

@@ -105,6 +105,16 @@ class Suite:
         return next((c for c in self.cells if c.setting == setting and c.method == method), None)
 
 
+# The papers' algorithms exactly: FedCat and FedSeq without concatfl's bound on hop lengths.
+PAPER_EXACT = {"fedcat-hop-clip": 0.0, "fedseq-hop-clip": 0.0}
+SEQUENTIAL = ("fedcat", "fedseq", "fedseq-inter")
+
+
+def paper_exact(config: Mapping[str, Any]) -> dict[str, Any]:
+    """`config`, with the papers' exact algorithm for FedCat and FedSeq rows (others unchanged)."""
+    return {**PAPER_EXACT, **config} if config.get("strategy") in SEQUENTIAL else dict(config)
+
+
 def slug(label: str) -> str:
     """A method label as a folder name (the earlier harness's rule: output paths stay put)."""
     return "".join(ch if ch.isalnum() else "-" for ch in label.lower()).strip("-")
@@ -165,7 +175,11 @@ class Blueprint:
             description=self.description,
             cells=tuple(self.build(knobs)),
             columns=self.columns,
-            notes=(scaled, "Harness choices (no paper value given to the harness): " + "; ".join(self.choices) + "."),
+            notes=(
+                scaled,
+                "Harness choices (no paper value given to the harness): " + "; ".join(self.choices) + ".",
+                "FedCat and FedSeq rows run the papers' algorithms exactly (fedcat-hop-clip / fedseq-hop-clip 0).",
+            ),
             targets=self.targets,
             paper=PAPER[self.name],
             subsample=subsample,
@@ -197,7 +211,7 @@ def _cells(
             base = {"dataset": dataset, **partition, **_CLIENTS_TRAIN_ON_ALL, **shared}
             base["min-available-nodes"] = knobs["clients"]
             for method, overrides in methods(dataset).items():
-                cells.append(Cell(setting, method, knobs["clients"], {**base, **overrides}))
+                cells.append(Cell(setting, method, knobs["clients"], paper_exact({**base, **overrides})))
     return cells
 
 
@@ -490,7 +504,9 @@ def _single_setting(
 ) -> Suite:
     """A one-setting digits comparison; its cells live directly under `<out>/<name>/`."""
     setting = Setting("", "")
-    cells = tuple(Cell(setting, label, num_supernodes, {**shared, **overrides}) for label, overrides in methods)
+    cells = tuple(
+        Cell(setting, label, num_supernodes, paper_exact({**shared, **overrides})) for label, overrides in methods
+    )
     columns = (FINAL_ACCURACY, TOTAL_MEGABYTES, WALL_SECONDS, *extra_columns)
     return Suite(name, "digits", description, cells, columns)
 
