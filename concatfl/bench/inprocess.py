@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
@@ -95,6 +96,9 @@ def simulate_in_process(run_config: Mapping[str, Any], num_supernodes: int, work
     metrics.json goes to `<workdir>/output` and is returned."""
     config = RunConfig.from_mapping({**run_config, "output-dir": str(Path(workdir) / "output")}).as_dict()
     grid = InProcessGrid({FIRST_NODE_ID + i: client_node(config, i, num_supernodes) for i in range(num_supernodes)})
+    # One process trains every client: one torch thread each avoids oversubscribing the cores
+    # (two threads on a busy 2-core machine made training many times slower).
+    torch.set_num_threads(1)
     # Flower stamps every new Message with the running task's identity, which its runtime sets.
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
     flower_log = logging.getLogger("flwr")
