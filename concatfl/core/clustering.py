@@ -86,16 +86,17 @@ def infer_label_distribution(
     model: nn.Module,
     num_samples: int,
     input_shape: Sequence[int],
-    normalization: Callable[[torch.Tensor], torch.Tensor],
+    normalization: Callable[[torch.Tensor], torch.Tensor] | None,
     generator: torch.Generator,
     device: torch.device | str = "cpu",
     batch_size: int = 1000,
 ) -> np.ndarray:
     """FedConcat-ID's P^ID(y): the mean softmax of `model` over `num_samples` random inputs.
 
-    Every pixel is drawn uniformly from the raw pixel range [0, 1] (with `generator`, on the
-    CPU so the draw does not depend on the device) and the batch then goes through
-    `normalization`, exactly like real inputs do.
+    Each input has shape `input_shape` (one sample's: (C, H, W) for images, (F,) for flat
+    features, any other for other models). Every entry is drawn uniformly from [0, 1] (with
+    `generator`, on the CPU so the draw does not depend on the device) and the batch then goes
+    through `normalization` (None: fed as drawn), exactly like real inputs do.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -103,7 +104,9 @@ def infer_label_distribution(
     sums = []
     for start in range(0, num_samples, batch_size):
         inputs = torch.rand((min(batch_size, num_samples - start), *input_shape), generator=generator)
-        sums.append(torch.softmax(model(normalization(inputs).to(device)), dim=1).sum(dim=0).cpu())
+        if normalization is not None:
+            inputs = normalization(inputs)
+        sums.append(torch.softmax(model(inputs.to(device)), dim=1).sum(dim=0).cpu())
     return (torch.stack(sums).sum(dim=0) / num_samples).double().numpy()
 
 
