@@ -18,7 +18,7 @@ group, and concatenate the groups' encoders. Everything here is pure numpy/torch
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -214,6 +214,45 @@ def cluster_distributions(
     if inertias:
         clustering = Clustering(clustering.labels, clustering.centres, clustering.requested, inertias)
     return balance(points, clustering) if balanced else clustering
+
+
+@dataclass(frozen=True)
+class NodeClusters:
+    """Stage 1's outcome for a set of nodes.
+
+    `assignment` maps every node to its cluster; `clustering` is that of the reported
+    distributions (in ascending node order); `unreported` lists the nodes without one, which
+    all join cluster `fallback` (None when every node reported).
+    """
+
+    assignment: dict[int, int]
+    clustering: Clustering
+    unreported: list[int]
+    fallback: int | None
+
+
+def assign_clusters(
+    distributions: Mapping[int, np.ndarray],
+    nodes: Sequence[int],
+    num_clusters: int | None,
+    *,
+    balanced: bool = False,
+    seed: int = 0,
+) -> NodeClusters:
+    """Cluster the nodes' reported distributions (`cluster_distributions`); the nodes in `nodes`
+    that reported none join the cluster whose centre is nearest the mean reported distribution,
+    so their data still trains an encoder and the head. Node ids stay Python ints (Flower's are
+    uint64 and would lose digits in a numpy array)."""
+    if not distributions:
+        raise ValueError("no node reported a distribution")
+    reported = sorted(distributions)
+    points = np.stack([distributions[node] for node in reported])
+    clustering = cluster_distributions(points, num_clusters, balanced=balanced, seed=seed)
+    assignment = {node: int(label) for node, label in zip(reported, clustering.labels, strict=True)}
+    unreported = [node for node in nodes if node not in distributions]
+    fallback = nearest_cluster(points.mean(axis=0), clustering.centres) if unreported else None
+    assignment.update({node: fallback for node in unreported if fallback is not None})
+    return NodeClusters(assignment, clustering, unreported, fallback)
 
 
 def nearest_cluster(point: np.ndarray, centres: np.ndarray) -> int:

@@ -41,7 +41,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 from torch import nn
 
-from ..core.clustering import cluster_distributions, infer_label_distribution, nearest_cluster
+from ..core.clustering import assign_clusters, infer_label_distribution
 from ..core.concat import (
     CLASSIFIER_WEIGHT,
     DEFAULT_HEAD,
@@ -312,22 +312,17 @@ class FedConcat(RelayStrategy):
             distributions, hop = self._query_distributions(grid, nodes, num_classes)
         if not distributions:
             raise RuntimeError(f"stage 1: none of the {len(nodes)} nodes gave a label distribution")
-        reported = sorted(distributions)
-        points = np.stack([distributions[node] for node in reported])
-        clustering = cluster_distributions(
-            points, self.num_clusters, balanced=self.balanced, seed=int(self.rng.integers(2**31))
+        stage1 = assign_clusters(
+            distributions, nodes, self.num_clusters, balanced=self.balanced, seed=int(self.rng.integers(2**31))
         )
-        self.assignment = {node: int(label) for node, label in zip(reported, clustering.labels, strict=True)}
-        unreported = [node for node in nodes if node not in distributions]
-        if unreported:
-            fallback = nearest_cluster(points.mean(axis=0), clustering.centres)
+        self.assignment, clustering = stage1.assignment, stage1.clustering
+        if stage1.unreported:
             log(
                 WARNING,
                 "Stage 1: nodes %s gave no distribution; they join cluster %d (nearest to the mean)",
-                unreported,
-                fallback,
+                stage1.unreported,
+                stage1.fallback,
             )
-            self.assignment.update({node: fallback for node in unreported})
         if clustering.k < clustering.requested:
             log(
                 WARNING,
@@ -363,9 +358,9 @@ class FedConcat(RelayStrategy):
             "elbow_inertias": list(clustering.inertias),
             "balanced": self.balanced,
             "clusters": clusters,
-            "unreported_nodes": unreported,
+            "unreported_nodes": stage1.unreported,
             "distributions": {
-                str(node): [round(float(p), 6) for p in distributions[node]] for node in reported
+                str(node): [round(float(p), 6) for p in distributions[node]] for node in sorted(distributions)
             },
         }
 
