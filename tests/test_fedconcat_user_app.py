@@ -95,6 +95,7 @@ def test_a_users_app_runs_fedconcat_on_its_own_model(app, variant):
     x_test, y_test = task.load_test_data()
     _, final = task.test(strategy.global_module(result.arrays, task.Net), x_test, y_test)
     assert final == pytest.approx(accuracy[rounds], abs=1e-9)
+    strategy.check_model(result.arrays)  # a resumed run starts from its ConcatModel: accepted
 
 
 def test_fedconcat_without_head_refuses_the_users_model_before_any_message(app):

@@ -126,12 +126,13 @@ class FedConcat(RelayStrategy):
     """FedConcat / FedConcat-ID: clustered FedAvg of encoders, then a global head on their concatenation.
 
     The run's model is any whose forward ends with a linear layer, the head (`head`); the rest is
-    the encoder (see docs/strategies.md, "FedConcat with your own model", for what a user's model
-    and ClientApp need). `start()` checks this before anything is sent. `start()` runs `encoder_rounds` +
-    `classifier_rounds` rounds whatever `num_rounds` says (logged). During the encoder rounds the
-    returned global model is the ensemble of the cluster models (a ConcatModel whose head sums
-    their logits), so the per-round accuracy is that ensemble's; during the classifier rounds it
-    is the ConcatModel being trained. `global_module` rebuilds it.
+    the encoder (docs/strategies.md, "FedConcat with your own model", says what a user's model
+    and ClientApp need). `start()` checks the model before anything is sent, then runs
+    `encoder_rounds` + `classifier_rounds` rounds whatever `num_rounds` says (logged). During
+    the encoder rounds the returned global model is the ensemble of the cluster models (a
+    ConcatModel whose head sums their logits), so the per-round accuracy is that ensemble's;
+    during the classifier rounds it is the ConcatModel being trained. `global_module` rebuilds
+    it.
 
     Parameters
     ----------
@@ -703,11 +704,13 @@ class FedConcat(RelayStrategy):
     def check_model(self, initial_arrays: ArrayRecord) -> None:
         """Raise ValueError, saying what FedConcat needs, unless the model splits at `head`.
 
-        Checks the shapes of `initial_arrays` and, with `make_model` and `input_shape`, that
-        ``head(encoder(x)) == model(x)`` on random inputs (the global torch RNG is left as it was).
+        Checks the shapes of `initial_arrays` (unless they are a ConcatModel's, as a resumed run
+        passes) and, with `make_model` and `input_shape`, that ``head(encoder(x)) == model(x)``
+        on random inputs (the global torch RNG is left as it was).
         """
         try:
-            check_head(_shapes(initial_arrays), self.head)
+            if not is_concat_state(initial_arrays.keys()):
+                check_head(_shapes(initial_arrays), self.head)
             if self.make_model is not None and self.input_shape is not None:
                 generator = torch.Generator().manual_seed(0)
                 sample = torch.rand((SPLIT_CHECK_SIZE, *self.input_shape), generator=generator)
