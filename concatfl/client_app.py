@@ -17,15 +17,9 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from .config import RunConfig
-from .fedconcat_client import (
-    FEATURES_ACTION,
-    HEAD_ACTION,
-    LABELS_ACTION,
-    handle_features,
-    handle_head_training,
-    handle_label_query,
-)
+from .fedconcat_client import handle_features, handle_head_training, handle_label_query
 from .objectives import CONTROL_KEY, build_objective
+from .protocol import FEATURES_ACTION, HEAD_ACTION, LABELS_ACTION
 from .runtime import ClientData, load_client_data, load_data, make_model
 from .stable_grid import IDENTITY_QUERY, PARTITION_ID_KEY
 from .training import evaluate, pick_device, train

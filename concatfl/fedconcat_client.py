@@ -1,49 +1,40 @@
-"""FedConcat's client side: the three message handlers beyond ordinary training, and the protocol.
+"""FedConcat's client side: the three message handlers beyond ordinary training.
 
-FedConcat-ID's stage 1 and both variants' stage 2 are ordinary ``"train"`` messages. The rest
-of the protocol (all keys are constants below; the server side is
-`concatfl.strategies.fedconcat.FedConcat`):
+The messages, their keys and the replies are specified in `concatfl.protocol`; the server side
+is `concatfl.strategies.fedconcat.FedConcat`. Each handler takes the message, the node's
+Context and the node's training split as a `concatfl.runtime.ClientData`:
 
-``"query.fedconcat_labels"`` — stage 1-A, the label distribution (`handle_label_query`)
-    in:  ``"config"``: {``"fedconcat-dp-epsilon"``: ε (0 = no noise)}
-    out: ``"metrics"``: {``"label-distribution"``: [P(y=0), …, P(y=m-1)]} and nothing else (not
-    even N, which with P would give the label counts). With ε > 0 each entry gets Laplace(0, 1/ε)
-    noise drawn from the OS's entropy, never from a seed the server knows (the server could
-    otherwise subtract the noise).
+* `handle_label_query` (``"query.fedconcat_labels"``, stage 1-A of FedConcat): the label
+  distribution of the training split, with Laplace noise when ε > 0.
+* `handle_features` (``"train.fedconcat_features"``, stage 3): builds K models of the run's
+  architecture, splits each into encoder and head at the layer the server names (FedConcat's
+  `head`; `concatfl.core.concat.split_model`), loads the received encoders and caches the
+  concatenated features of the training split in ``context.state``.
+* `handle_head_training` (``"train.fedconcat_head"``, stage 3): a few SGD steps of the received
+  linear head on the cached features.
 
-``"train.fedconcat_features"`` — stage 3, the one broadcast of the frozen encoders (`handle_features`)
-    in:  ``"encoders"``: ArrayRecord with the ConcatModel's ``encoders.<k>.*`` weights (under a
-         key other than ``"arrays"`` because the reply returns no model);
-         ``"config"``: {``"model"``: architecture name, ``"num-encoders"``: K,
-         ``"encoders-id"``: a fingerprint of the weights}.
-    The client computes the concatenated features of its whole training split once (encoders in
-    eval mode, no augmentation), keeps features, labels and the fingerprint in ``context.state``
-    and answers ``"metrics"``: {``"num-examples"``: N, ``"feature-dim"``: K·d}.
+What a user's own ClientApp adds to support FedConcat (FedConcat-ID needs only the last two;
+its other rounds, like FedConcat's encoder rounds, are the ClientApp's ordinary ``train``)::
 
-``"train.fedconcat_head"`` — stage 3, one classifier round (`handle_head_training`)
-    in:  ``"arrays"``: the classifier (``classifier.weight``, ``classifier.bias``);
-         ``"config"``: {``"encoders-id"``, ``"fedconcat-classifier-steps"``, ``"lr"``,
-         ``"batch-size"``, ``"momentum"``, ``"weight-decay"``, ``"server-round"``}; a missing
-         hyperparameter falls back to the run config (then concatfl's default), as for
-         ordinary training.
-    out: ``"arrays"``: the classifier after that many SGD steps on the cached features,
-         ``"metrics"``: {``"num-examples"``: N, ``"train-loss"``}.
-    Cache miss (state lost on a restart, or cached for other encoders): the reply carries the
-    classifier unchanged and ``"metrics"``: {``"num-examples"``: N, ``"fedconcat-cache-miss"``: 1};
-    the server then sends the encoders again. The echo keeps the reply valid for the shared
-    reply validation (which requires the model that was sent) and costs one classifier upload.
+    from concatfl.protocol import FEATURES_ACTION, HEAD_ACTION, LABELS_ACTION
+    from concatfl.runtime import ClientData
 
-What a user's own ClientApp adds to support FedConcat (FedConcat-ID needs only the last two)::
+    def my_client_data(ctx):  # the node's training split as tensors, inputs as the model takes them
+        x, y = load_my_train_split(ctx)
+        return ClientData.from_train_split(x, y, num_classes=10)
 
     @app.query(LABELS_ACTION)
     def query(msg, ctx): return handle_label_query(msg, ctx, my_client_data(ctx))
     @app.train(FEATURES_ACTION)
-    def features(msg, ctx): return handle_features(msg, ctx, my_client_data(ctx), make_model=my_model)
+    def features(msg, ctx): return handle_features(msg, ctx, my_client_data(ctx), make_model=Net)
     @app.train(HEAD_ACTION)
     def head(msg, ctx): return handle_head_training(msg, ctx, my_client_data(ctx))
 
-where ``my_client_data`` returns a `concatfl.runtime.ClientData` and ``my_model`` builds the run's
-model (a `concatfl.models.SplitModel`; it may be omitted for concatfl's own architectures).
+where ``Net`` builds the run's model (the architecture of the ServerApp's `initial_arrays`); it
+may be omitted for concatfl's own architectures. The model's forward must end with its head,
+``return self.<head>(features)``: `handle_features` checks this on the first training inputs
+and fails with a message naming the head otherwise. The head's input is what the encoders
+contribute to the concatenation.
 """
 
 from __future__ import annotations
@@ -54,42 +45,44 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
 from .config import RunConfig
 from .core.clustering import label_distribution, laplace_noise
-from .core.concat import CLASSIFIER_BIAS, CLASSIFIER_WEIGHT, ENCODERS_PREFIX, ConcatModel, train_classifier
+from .core.concat import (
+    CLASSIFIER_BIAS,
+    CLASSIFIER_WEIGHT,
+    DEFAULT_HEAD,
+    ENCODERS_PREFIX,
+    ConcatModel,
+    train_classifier,
+)
 from .models import build_model
+from .protocol import (
+    CACHE_MISS,
+    CLASSIFIER_STEPS,
+    DP_EPSILON,
+    ENCODERS_ID,
+    ENCODERS_KEY,
+    FEATURE_DIM,
+    HEAD_NAME,
+    LABEL_DISTRIBUTION,
+    MODEL_NAME,
+    NUM_ENCODERS,
+)
 from .training import pick_device
 
 if TYPE_CHECKING:
     from .runtime import ClientData
 
-# Message types: Flower routes "<category>.<action>" to @app.<category>("<action>"); named actions
-# leave a ClientApp's default query/train handlers free for other uses.
-LABELS_ACTION = "fedconcat_labels"
-FEATURES_ACTION = "fedconcat_features"
-HEAD_ACTION = "fedconcat_head"
-LABELS_MESSAGE_TYPE = f"{MessageType.QUERY}.{LABELS_ACTION}"
-FEATURES_MESSAGE_TYPE = f"{MessageType.TRAIN}.{FEATURES_ACTION}"
-HEAD_MESSAGE_TYPE = f"{MessageType.TRAIN}.{HEAD_ACTION}"
-
-# Record and config keys.
-ENCODERS_KEY = "encoders"
-LABEL_DISTRIBUTION = "label-distribution"
-DP_EPSILON = "fedconcat-dp-epsilon"
-MODEL_NAME = "model"
-NUM_ENCODERS = "num-encoders"
-ENCODERS_ID = "encoders-id"
-CLASSIFIER_STEPS = "fedconcat-classifier-steps"
-FEATURE_DIM = "feature-dim"
-CACHE_MISS = "fedconcat-cache-miss"
 # Where the features live in context.state (features + labels, and the encoders they came from).
 STATE_FEATURES = "fedconcat-features"
 STATE_CACHE = "fedconcat-cache"
 
 FEATURE_BATCH_SIZE = 512
+# Inputs on which the split of the run's model into encoder and head is checked.
+SPLIT_CHECK_SIZE = 4
 
 
 def handle_label_query(message: Message, context: Context, data: ClientData) -> Message:
@@ -110,14 +103,17 @@ def handle_features(
 ) -> Message:
     """Compute the concatenated features of the training split once and cache them in state.
 
-    `make_model` builds one model of the run's architecture (its ``encoder`` is used); by
-    default the config's ``"model"`` name is built with `concatfl.models.build_model`.
+    `make_model` builds one model of the run's architecture, whose layer named by the server
+    (``"fedconcat-head"``, default ``classifier``) is the head and the rest the encoder; by
+    default the config's ``"model"`` name is built with `concatfl.models.build_model`. Raises
+    ValueError when there is neither, or when the model's output is not its head applied to
+    the head's input (checked on the first training inputs).
     """
     settings = _settings(message, context)
-    channels, height, width = (int(d) for d in data.x_train.shape[1:])
-    shape = (channels, height, width)
-    factory = make_model or partial(build_model, str(settings[MODEL_NAME]), shape, data.num_classes)
-    model = ConcatModel.from_factory(factory, int(settings[NUM_ENCODERS]))
+    factory = make_model or _concatfl_model(str(settings[MODEL_NAME]), data)
+    sample = data.normalization(data.x_train[:SPLIT_CHECK_SIZE])
+    head = str(settings.get(HEAD_NAME, DEFAULT_HEAD))
+    model = ConcatModel.from_factory(factory, int(settings[NUM_ENCODERS]), head, sample)
     encoder_state = message.content.array_records[ENCODERS_KEY].to_torch_state_dict()
     model.encoders.load_state_dict(
         {key[len(ENCODERS_PREFIX) :]: value for key, value in encoder_state.items()}
@@ -180,6 +176,16 @@ def cached_features(context: Context, encoders_id: str) -> tuple[torch.Tensor, t
         return None
     record = context.state.array_records[STATE_FEATURES]
     return torch.from_numpy(record["features"].numpy()), torch.from_numpy(record["labels"].numpy())
+
+
+def _concatfl_model(name: str, data: ClientData) -> Callable[[], nn.Module]:
+    """A factory of the concatfl architecture `name` for this data's inputs and classes."""
+    if not name:
+        raise ValueError(
+            "handle_features needs make_model: the server names no concatfl architecture (config "
+            f"'{MODEL_NAME}' is empty), so pass make_model=<a function building the run's model>"
+        )
+    return partial(build_model, name, tuple(int(d) for d in data.x_train.shape[1:]), data.num_classes)
 
 
 def _settings(message: Message, context: Context) -> dict[str, Any]:

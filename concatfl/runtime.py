@@ -6,6 +6,7 @@ strategies agree on dataset, model, normalization and device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -38,19 +39,40 @@ def make_model(config: RunConfig, data: LoadedData) -> nn.Module:
 
 @dataclass
 class ClientData:
-    """One client's local train and test split, plus how to feed them to a model."""
+    """One client's local train and test split, plus how to feed them to a model.
+
+    `normalization` maps a batch of stored inputs to the model's inputs (concatfl's datasets
+    keep inputs in [0, 1] and normalize per channel with a `Normalization`).
+    """
 
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
     num_classes: int
-    normalization: Normalization
+    normalization: Callable[[torch.Tensor], torch.Tensor]
     augmentation: Augmentation | None
+
+    @classmethod
+    def from_train_split(
+        cls,
+        x_train: torch.Tensor,
+        y_train: torch.Tensor,
+        num_classes: int,
+        normalization: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> ClientData:
+        """A training split alone (no local test split, no augmentation): what FedConcat's client
+        handlers read, built by a user's own ClientApp. `y_train` holds class indices in
+        [0, num_classes); `normalization` None feeds the inputs to the model unchanged."""
+        return cls(x_train, y_train, x_train[:0], y_train[:0], num_classes, normalization or _unchanged, None)
 
     def label_counts(self) -> np.ndarray:
         """How many training samples of each class this client holds."""
         return np.bincount(self.y_train.numpy(), minlength=self.num_classes)
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 @lru_cache(maxsize=4)

@@ -6,6 +6,7 @@ import torch
 
 from concatfl.core.clustering import (
     Clustering,
+    assign_clusters,
     balance,
     balanced_cap,
     cluster_distributions,
@@ -152,3 +153,34 @@ def test_label_inference_finds_the_only_trained_class():
         model, 2000, (1, 8, 8), normalization, torch.Generator().manual_seed(1), batch_size=300
     )
     np.testing.assert_allclose(again, p_id, atol=1e-6)  # same inputs whatever the batching
+
+
+def test_assign_clusters_keeps_big_node_ids_and_sends_silent_nodes_to_the_cluster_nearest_the_mean():
+    big = [2**63 + 11, 2**63 + 13, 2**62 + 1, 2**64 - 1, 2**63 + 17]
+    distributions = {
+        big[0]: np.array([1.0, 0.0, 0.0]),
+        big[1]: np.array([0.9, 0.1, 0.0]),
+        big[2]: np.array([0.0, 0.0, 1.0]),
+    }
+    result = assign_clusters(distributions, big, 2, seed=0)
+    first, third = result.assignment[big[0]], result.assignment[big[2]]
+    assert first == result.assignment[big[1]] != third
+    # Mean reported distribution (0.633, 0.033, 0.333) is nearer the {0, 1} cluster's centre.
+    assert result.unreported == [big[3], big[4]] and result.fallback == first
+    assert result.assignment[big[3]] == result.assignment[big[4]] == first
+    assert set(result.assignment) == set(big) and all(type(node) is int for node in result.assignment)
+    everyone = assign_clusters(distributions, big[:3], 2, seed=0)
+    assert everyone.unreported == [] and everyone.fallback is None and len(everyone.assignment) == 3
+    with pytest.raises(ValueError, match="no node reported a distribution"):
+        assign_clusters({}, big, 2)
+
+
+def test_label_inference_on_flat_inputs_without_normalization():
+    """FedConcat-ID for a model on flat features: inputs of the given shape, fed as drawn."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 3))
+    got = infer_label_distribution(model, 50, (64,), None, torch.Generator().manual_seed(1))
+    inputs = torch.rand((50, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = torch.softmax(model(inputs), dim=1).mean(dim=0).double().numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-6)

@@ -7,15 +7,20 @@ import textwrap
 import pytest
 import torch
 
+from torch import nn
+
 from concatfl.core.concat import (
     ConcatModel,
+    check_head,
     classifier_from_heads,
     concat_state_dict,
+    concatenate,
     is_concat_state,
     load_concat_model,
     num_encoders,
     random_classifier,
     save_concat_model,
+    split_model,
     train_classifier,
 )
 from concatfl.models import build_model
@@ -53,6 +58,114 @@ def test_state_dict_layout():
     assert not is_concat_state(states[0])
     torch.testing.assert_close(state["encoders.1.fc2.weight"], states[1]["encoder.fc2.weight"])
     assert list(state)[-2:] == ["classifier.weight", "classifier.bias"]
+
+
+class QuickstartNet(nn.Module):
+    """A user's model in Flower's quickstart style: own layer names, forward ends with fc3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, 32)
+        self.fc2 = nn.Linear(32, 16)
+        self.fc3 = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class SoftmaxAfterHead(QuickstartNet):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(super().forward(x), dim=1)
+
+
+def shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(value.shape) for key, value in model.state_dict().items()}
+
+
+def test_check_head_gives_classes_and_feature_dim():
+    assert check_head(shapes(make_mlp()), "classifier") == (10, 200)
+    assert check_head(shapes(QuickstartNet()), "fc3") == (10, 16)
+
+
+@pytest.mark.parametrize(
+    ("model", "head", "problem"),
+    [
+        (QuickstartNet(), "classifier", "no 'classifier.weight' or 'classifier.bias'"),
+        (QuickstartNet(), "fc", "no 'fc.weight' or 'fc.bias'"),
+        (nn.Sequential(nn.Conv2d(1, 2, 3)), "0", "'0.weight' has shape (2, 1, 3, 3)"),
+        (nn.Sequential(nn.Linear(4, 3)), "0", "no parameters besides its head '0' (no encoder)"),
+    ],
+)
+def test_check_head_says_what_is_wrong_and_which_layer_looks_like_the_head(model, head, problem):
+    with pytest.raises(ValueError) as error:
+        check_head(shapes(model), head)
+    message = str(error.value)
+    assert message.startswith(f"head={head!r}: ") and problem in message
+    assert "The model's keys: " + next(iter(model.state_dict())) in message
+    if isinstance(model, QuickstartNet):
+        assert message.endswith("its last linear layer is 'fc3' (head='fc3')")
+
+
+def test_split_model_cuts_a_foreign_model_at_its_head():
+    torch.manual_seed(0)
+    model = QuickstartNet()
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        expected = model(x)
+        features = torch.relu(model.fc2(torch.relu(model.fc1(x))))
+    encoder, head = split_model(model, "fc3", x)
+    assert head.in_features == 16
+    assert set(encoder.state_dict()) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    with torch.no_grad():
+        torch.testing.assert_close(encoder(x), features)
+        torch.testing.assert_close(head(encoder(x)), expected)
+
+
+def test_split_model_keeps_concatfls_encoder_submodule():
+    model = make_mlp()
+    encoder, head = split_model(model, "classifier", torch.rand(3, *SHAPE))
+    assert encoder is model.encoder and head is model.classifier
+
+
+@pytest.mark.parametrize(
+    ("model", "head", "message"),
+    [
+        (SoftmaxAfterHead(), "fc3", "forward must end with `return self.fc3(features)`"),
+        (QuickstartNet(), "fc1", "forward must end with `return self.fc1(features)`"),
+        (QuickstartNet(), "fc9", "must name the model's last nn.Linear layer; the model has nothing there"),
+        (nn.Sequential(nn.Linear(64, 3), nn.ReLU()), "1", "the model has ReLU there"),
+    ],
+)
+def test_split_model_refuses_a_head_the_output_does_not_end_with(model, head, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        split_model(model, head, torch.randn(3, 64))
+
+
+def test_foreign_cluster_models_concatenate_to_the_ensemble():
+    """Keys keep the user's names under encoders.<k>.; the head from the cluster heads sums
+    the cluster models' logits, as for concatfl's own models."""
+    torch.manual_seed(1)
+    models = [QuickstartNet() for _ in range(3)]
+    states = [model.state_dict() for model in models]
+    encoders, classifier = concatenate(states, "fc3")
+    expected_keys = {f"encoders.{k}.fc{i}.{part}" for k in range(3) for i in (1, 2) for part in ("weight", "bias")}
+    assert set(encoders) == expected_keys
+    assert set(classifier) == {"classifier.weight", "classifier.bias"}
+    concat = ConcatModel.from_factory(QuickstartNet, 3, "fc3")
+    concat.load_state_dict({**encoders, **classifier})
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(concat(x), sum(model(x) for model in models), rtol=1e-5, atol=1e-5)
+    assert concat.classifier.weight.shape == (10, 3 * 16)
+
+
+def test_concatenate_draws_a_random_head_from_the_generator():
+    states = [model.state_dict() for model in cluster_models(2)]
+    encoders, classifier = concatenate(states, random_head=torch.Generator().manual_seed(5))
+    weight, bias = random_classifier(400, 10, torch.Generator().manual_seed(5))
+    torch.testing.assert_close(classifier["classifier.weight"], weight)
+    torch.testing.assert_close(classifier["classifier.bias"], bias)
+    torch.testing.assert_close(encoders["encoders.1.fc2.weight"], states[1]["encoder.fc2.weight"])
 
 
 def test_encoders_are_frozen_and_stay_in_eval_mode():

@@ -6,8 +6,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from concatfl.core.concat import ConcatModel, classifier_from_heads, concat_state_dict
-from concatfl.fedconcat_client import (
+from torch import nn
+
+from concatfl.core.concat import ConcatModel, classifier_from_heads, concat_state_dict, concatenate
+from concatfl.fedconcat_client import STATE_FEATURES, handle_features, handle_head_training, handle_label_query
+from concatfl.protocol import (
     CACHE_MISS,
     CLASSIFIER_STEPS,
     DP_EPSILON,
@@ -17,16 +20,13 @@ from concatfl.fedconcat_client import (
     FEATURES_ACTION,
     FEATURES_MESSAGE_TYPE,
     HEAD_ACTION,
+    HEAD_NAME,
     HEAD_MESSAGE_TYPE,
     LABEL_DISTRIBUTION,
     LABELS_ACTION,
     LABELS_MESSAGE_TYPE,
     MODEL_NAME,
     NUM_ENCODERS,
-    STATE_FEATURES,
-    handle_features,
-    handle_head_training,
-    handle_label_query,
 )
 from concatfl.models import build_model
 from concatfl.runtime import ClientData
@@ -124,6 +124,50 @@ def test_features_are_computed_once_and_cached_in_state():
         cached["features"].numpy(), model.features(data.normalization(data.x_train)).numpy(), atol=1e-6
     )
     np.testing.assert_array_equal(cached["labels"].numpy(), data.y_train.numpy())
+
+
+class UserNet(nn.Module):
+    """A user's model on flat inputs, its head named fc2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 6)
+        self.fc2 = nn.Linear(6, NUM_CLASSES)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def users_features_message(encoders, model_name=""):
+    config = ConfigRecord({MODEL_NAME: model_name, NUM_ENCODERS: 2, ENCODERS_ID: "abc", HEAD_NAME: "fc2"})
+    return Message(
+        RecordDict({ENCODERS_KEY: ArrayRecord(encoders), "config": config}),
+        dst_node_id=7,
+        message_type=FEATURES_MESSAGE_TYPE,
+    )
+
+
+def test_features_of_a_users_model_are_its_inputs_to_the_named_head():
+    torch.manual_seed(0)
+    models = [UserNet() for _ in range(2)]
+    encoders, _ = concatenate([model.state_dict() for model in models], "fc2")
+    x, y = torch.rand(8, 16), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    ctx = context()
+    reply = handle_features(
+        users_features_message(encoders), ctx, ClientData.from_train_split(x, y, NUM_CLASSES), make_model=UserNet
+    )
+    assert reply.content["metrics"][FEATURE_DIM] == 12
+    with torch.no_grad():
+        expected = torch.cat([torch.relu(model.fc1(x)) for model in models], dim=1)
+    cached = ctx.state.array_records[STATE_FEATURES]["features"].numpy()
+    np.testing.assert_allclose(cached, expected.numpy(), atol=1e-6)
+
+
+def test_features_of_a_users_model_need_its_make_model():
+    encoders, _ = concatenate([UserNet().state_dict() for _ in range(2)], "fc2")
+    data = ClientData.from_train_split(torch.rand(4, 16), torch.tensor([0, 1, 2, 3]), NUM_CLASSES)
+    with pytest.raises(ValueError, match="handle_features needs make_model: the server names no concatfl"):
+        handle_features(users_features_message(encoders), context(), data)
 
 
 def test_head_training_uses_the_cache_and_returns_only_the_classifier(monkeypatch):

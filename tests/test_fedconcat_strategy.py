@@ -17,22 +17,21 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from concatfl import fedconcat_client
+from concatfl import fedconcat_client, protocol
 from concatfl.config import RunConfig
 from concatfl.core.concat import load_concat_model
 from concatfl.data.datasets import load_dataset
-from concatfl.fedconcat_client import (
+from concatfl.fedconcat_client import handle_features, handle_head_training, handle_label_query
+from concatfl.protocol import (
     CACHE_MISS,
     FEATURES_ACTION,
     FEATURES_MESSAGE_TYPE,
     HEAD_ACTION,
     HEAD_MESSAGE_TYPE,
+    HEAD_NAME,
     LABEL_DISTRIBUTION,
     LABELS_ACTION,
     LABELS_MESSAGE_TYPE,
-    handle_features,
-    handle_head_training,
-    handle_label_query,
 )
 from concatfl.models import build_model
 from concatfl.runtime import ClientData, ServerEnv
@@ -684,16 +683,21 @@ def test_run_uses_its_own_round_count_and_build_reads_the_run_config(tmp_path):
 
 
 def test_a_user_needs_only_the_documented_handlers():
-    """The module docstring names the actions; they are the ones the strategy sends."""
-    doc = fedconcat_client.__doc__
+    """The protocol's docstring names the messages and keys the strategy sends; the client
+    module's shows how a ClientApp registers each handler."""
     for message_type in (
         LABELS_MESSAGE_TYPE,
         FEATURES_MESSAGE_TYPE,
         HEAD_MESSAGE_TYPE,
         LABEL_DISTRIBUTION,
+        HEAD_NAME,
         CACHE_MISS,
     ):
-        assert message_type in doc
+        assert message_type in protocol.__doc__
+    for name in ("LABELS_ACTION", "FEATURES_ACTION", "HEAD_ACTION", "from_train_split"):
+        assert name in fedconcat_client.__doc__
+    for handler in ("handle_label_query", "handle_features", "handle_head_training"):
+        assert f"return {handler}(msg, ctx" in fedconcat_client.__doc__
 
 
 # ---------------------------------------------------------------------- end to end

@@ -33,6 +33,14 @@ def test_normalize_exact_values() -> None:
     assert out.dtype == torch.float32 and out.shape == x.shape
 
 
+def test_normalize_flat_features_per_feature() -> None:
+    x = torch.tensor([[0.0, 1.0, 0.5], [1.0, 0.0, 0.5]])  # (B, F)
+    out = normalize(x, (0.5, 0.5, 0.0), (0.5, 0.25, 1.0))
+    assert torch.equal(out, torch.tensor([[-1.0, 2.0, 0.5], [1.0, -2.0, 0.5]]))
+    with pytest.raises(ValueError, match=r"\(B, C, \.\.\.\)"):
+        normalize(torch.zeros(3), (0.5,), (0.5,))
+
+
 def test_normalize_rejects_wrong_channel_count() -> None:
     with pytest.raises(ValueError, match="channels"):
         normalize(torch.zeros(2, 3, 4, 4), (0.5,), (0.5,))

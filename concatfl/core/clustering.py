@@ -18,7 +18,7 @@ group, and concatenate the groups' encoders. Everything here is pure numpy/torch
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,16 +86,17 @@ def infer_label_distribution(
     model: nn.Module,
     num_samples: int,
     input_shape: Sequence[int],
-    normalization: Callable[[torch.Tensor], torch.Tensor],
+    normalization: Callable[[torch.Tensor], torch.Tensor] | None,
     generator: torch.Generator,
     device: torch.device | str = "cpu",
     batch_size: int = 1000,
 ) -> np.ndarray:
     """FedConcat-ID's P^ID(y): the mean softmax of `model` over `num_samples` random inputs.
 
-    Every pixel is drawn uniformly from the raw pixel range [0, 1] (with `generator`, on the
-    CPU so the draw does not depend on the device) and the batch then goes through
-    `normalization`, exactly like real inputs do.
+    Each input has shape `input_shape` (one sample's: (C, H, W) for images, (F,) for flat
+    features, any other for other models). Every entry is drawn uniformly from [0, 1] (with
+    `generator`, on the CPU so the draw does not depend on the device) and the batch then goes
+    through `normalization` (None: fed as drawn), exactly like real inputs do.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -103,7 +104,9 @@ def infer_label_distribution(
     sums = []
     for start in range(0, num_samples, batch_size):
         inputs = torch.rand((min(batch_size, num_samples - start), *input_shape), generator=generator)
-        sums.append(torch.softmax(model(normalization(inputs).to(device)), dim=1).sum(dim=0).cpu())
+        if normalization is not None:
+            inputs = normalization(inputs)
+        sums.append(torch.softmax(model(inputs.to(device)), dim=1).sum(dim=0).cpu())
     return (torch.stack(sums).sum(dim=0) / num_samples).double().numpy()
 
 
@@ -211,6 +214,45 @@ def cluster_distributions(
     if inertias:
         clustering = Clustering(clustering.labels, clustering.centres, clustering.requested, inertias)
     return balance(points, clustering) if balanced else clustering
+
+
+@dataclass(frozen=True)
+class NodeClusters:
+    """Stage 1's outcome for a set of nodes.
+
+    `assignment` maps every node to its cluster; `clustering` is that of the reported
+    distributions (in ascending node order); `unreported` lists the nodes without one, which
+    all join cluster `fallback` (None when every node reported).
+    """
+
+    assignment: dict[int, int]
+    clustering: Clustering
+    unreported: list[int]
+    fallback: int | None
+
+
+def assign_clusters(
+    distributions: Mapping[int, np.ndarray],
+    nodes: Sequence[int],
+    num_clusters: int | None,
+    *,
+    balanced: bool = False,
+    seed: int = 0,
+) -> NodeClusters:
+    """Cluster the nodes' reported distributions (`cluster_distributions`); the nodes in `nodes`
+    that reported none join the cluster whose centre is nearest the mean reported distribution,
+    so their data still trains an encoder and the head. Node ids stay Python ints (Flower's are
+    uint64 and would lose digits in a numpy array)."""
+    if not distributions:
+        raise ValueError("no node reported a distribution")
+    reported = sorted(distributions)
+    points = np.stack([distributions[node] for node in reported])
+    clustering = cluster_distributions(points, num_clusters, balanced=balanced, seed=seed)
+    assignment = {node: int(label) for node, label in zip(reported, clustering.labels, strict=True)}
+    unreported = [node for node in nodes if node not in distributions]
+    fallback = nearest_cluster(points.mean(axis=0), clustering.centres) if unreported else None
+    assignment.update({node: fallback for node in unreported if fallback is not None})
+    return NodeClusters(assignment, clustering, unreported, fallback)
 
 
 def nearest_cluster(point: np.ndarray, centres: np.ndarray) -> int:

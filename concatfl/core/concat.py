@@ -6,8 +6,12 @@ only a linear head on their concatenated features. This module is pure torch (pl
 
 * `ConcatModel` — the module: ``forward(x) = classifier([enc_1(x), …, enc_K(x)])``, encoders
   frozen (no gradients, always in eval mode so BatchNorm statistics never move).
+* `split_model`, `check_head` — a model as FedConcat sees it: an encoder and a linear head (by
+  default ``classifier``, as in `concatfl.models`; any model whose forward ends with a linear
+  layer works, named by that layer).
 * `concat_state_dict` — the ConcatModel state dict built from K cluster models' state dicts
-  (keys ``encoder.*`` / ``classifier.*`` as in `concatfl.models`) and a classifier.
+  and a classifier.
+* `concatenate` — the start of stage 3: encoders and classifier from the cluster models.
 * `classifier_from_heads` — the paper's initialization: cluster classifier weights concatenated
   along the input axis and their biases summed, so the start equals the sum of the cluster
   models' logits (an ensemble); `random_classifier` — nn.Linear's default init, seeded.
@@ -15,16 +19,19 @@ only a linear head on their concatenated features. This module is pure torch (pl
 * `save_concat_model` / `load_concat_model` — one self-describing file for inference.
 
 State-dict layout: ``encoders.<k>.<encoder key>`` for cluster k's encoder and
-``classifier.weight`` (num_classes × K·feature_dim) / ``classifier.bias``.
+``classifier.weight`` (num_classes × K·feature_dim) / ``classifier.bias``, whatever the head of
+the cluster models is called. An encoder key is the model's key without ``encoder.`` for
+concatfl's layout (every key but the head's under ``encoder.``), else the model's key unchanged
+(the encoder is then the whole model with its head replaced by the identity).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +40,7 @@ from ..models import SplitModel, build_model
 
 ENCODER_PREFIX = "encoder."
 ENCODERS_PREFIX = "encoders."
+DEFAULT_HEAD = "classifier"
 CLASSIFIER_WEIGHT = "classifier.weight"
 CLASSIFIER_BIAS = "classifier.bias"
 CLASSIFIER_KEYS = (CLASSIFIER_WEIGHT, CLASSIFIER_BIAS)
@@ -68,14 +76,20 @@ class ConcatModel(nn.Module):
         self.encoders.eval()
 
     @classmethod
-    def from_factory(cls, make_model: Callable[[], nn.Module], num_encoders: int) -> ConcatModel:
-        """A ConcatModel over `num_encoders` fresh encoders of `make_model()`, which must build a
-        `SplitModel` (or a module with the same ``encoder``/``feature_dim``/``classifier``)."""
-        models = [cast(SplitModel, make_model()) for _ in range(num_encoders)]
+    def from_factory(
+        cls,
+        make_model: Callable[[], nn.Module],
+        num_encoders: int,
+        head: str = DEFAULT_HEAD,
+        sample: torch.Tensor | None = None,
+    ) -> ConcatModel:
+        """A ConcatModel over the encoders of `num_encoders` fresh `make_model()` models, each
+        split at its linear layer `head` (`split_model`; the first one checked on `sample`)."""
+        parts = [split_model(make_model(), head, sample if index == 0 else None) for index in range(num_encoders)]
         return cls(
-            [model.encoder for model in models],
-            [model.feature_dim for model in models],
-            models[0].classifier.out_features,
+            [encoder for encoder, _ in parts],
+            [layer.in_features for _, layer in parts],
+            parts[0][1].out_features,
         )
 
     def train(self, mode: bool = True) -> ConcatModel:
@@ -94,14 +108,118 @@ class ConcatModel(nn.Module):
         return self.classifier(self.features(x))
 
 
-def classifier_from_heads(cluster_states: Sequence[StateDict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight, bias) with the cluster weights concatenated along the input axis and biases summed.
+def head_keys(head: str) -> tuple[str, str]:
+    """State-dict keys (weight, bias) of the linear layer named `head`."""
+    return f"{head}.weight", f"{head}.bias"
+
+
+def encoder_prefix(keys: Iterable[str], head: str) -> str:
+    """What a model's encoder keys drop from its state keys: ``"encoder."`` when every key but the
+    head's lies under it (concatfl's `SplitModel` layout; the ``encoder`` submodule is the
+    encoder), else ``""`` (the encoder is the whole model without its head)."""
+    rest = [key for key in keys if key not in head_keys(head)]
+    return ENCODER_PREFIX if rest and all(key.startswith(ENCODER_PREFIX) for key in rest) else ""
+
+
+def check_head(shapes: Mapping[str, Sequence[int]], head: str) -> tuple[int, int]:
+    """(num_classes, feature_dim) of the linear head `head` of a model with these state-dict shapes.
+
+    Raises ValueError, saying what is missing and which layer looks like the head, unless
+    ``<head>.weight`` is (num_classes, feature_dim), ``<head>.bias`` is (num_classes,) and the
+    model has other entries (the encoder).
+    """
+    weight_key, bias_key = head_keys(head)
+    weight, bias = shapes.get(weight_key), shapes.get(bias_key)
+    if weight is not None and bias is not None and len(weight) == 2 and tuple(bias) == (weight[0],):
+        if len(shapes) > 2:
+            return int(weight[0]), int(weight[1])
+        problem = f"the model has no parameters besides its head {head!r} (no encoder)"
+    elif weight is None or bias is None:
+        missing = [key for key in (weight_key, bias_key) if key not in shapes]
+        problem = f"the model's state has no {' or '.join(repr(key) for key in missing)}"
+    else:
+        problem = (
+            f"{weight_key!r} has shape {tuple(weight)} and {bias_key!r} {tuple(bias)}; a linear head "
+            "needs (num_classes, feature_dim) and (num_classes,)"
+        )
+    keys = list(shapes)
+    listed = ", ".join(keys[:12]) + (f", … ({len(keys)} keys)" if len(keys) > 12 else "")
+    guess = _last_linear(shapes)
+    hint = f"; its last linear layer is {guess!r} (head={guess!r})" if guess and guess != head else ""
+    raise ValueError(f"head={head!r}: {problem}. The model's keys: {listed}{hint}")
+
+
+def _last_linear(shapes: Mapping[str, Sequence[int]]) -> str | None:
+    """Name of the last layer (in state order) with a 2-D weight and a matching 1-D bias."""
+    candidates = [
+        key[: -len(".weight")]
+        for key, shape in shapes.items()
+        if key.endswith(".weight") and len(shape) == 2
+        and tuple(shapes.get(key[: -len(".weight")] + ".bias", ())) == (shape[0],)
+    ]
+    return candidates[-1] if candidates else None
+
+
+def split_model(
+    model: nn.Module, head: str = DEFAULT_HEAD, sample: torch.Tensor | None = None
+) -> tuple[nn.Module, nn.Linear]:
+    """(encoder, head layer) of `model`, whose forward must end with ``return self.<head>(features)``.
+
+    concatfl's layout (`encoder_prefix`) gives its ``encoder`` submodule; any other model is
+    itself the encoder once its head is replaced (in place) by the identity. With a `sample`
+    batch, checks that ``head(encoder(sample))`` equals ``model(sample)`` (in eval mode) and
+    raises ValueError otherwise, as it does when `head` names no nn.Linear.
+    """
+    try:
+        layer = model.get_submodule(head)
+    except AttributeError:
+        layer = None
+    if not isinstance(layer, nn.Linear):
+        found = "nothing" if layer is None else type(layer).__name__
+        raise ValueError(
+            f"head={head!r} must name the model's last nn.Linear layer; the model has {found} there"
+        )
+    expected = None
+    if sample is not None:
+        model.eval()
+        with torch.no_grad():
+            expected = model(sample)
+    if encoder_prefix(model.state_dict(), head):
+        encoder = model.get_submodule(ENCODER_PREFIX.rstrip("."))
+    else:
+        parent, _, name = head.rpartition(".")
+        setattr(model.get_submodule(parent), name, nn.Identity())
+        encoder = model
+    if expected is not None:
+        try:
+            with torch.no_grad():
+                recombined = layer(encoder(sample))
+        except RuntimeError:  # e.g. the head was not the last layer, so the next one gets the wrong width
+            recombined = None
+        if (
+            recombined is None
+            or recombined.shape != expected.shape
+            or not torch.allclose(recombined, expected, rtol=1e-4, atol=1e-5)
+        ):
+            raise ValueError(
+                f"head={head!r}: the model's output is not {head}(features): FedConcat takes the input of "
+                f"{head!r} as the features, so the model's forward must end with `return self.{head}(features)`"
+            )
+    return encoder, layer
+
+
+def classifier_from_heads(
+    cluster_states: Sequence[StateDict], head: str = DEFAULT_HEAD
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, bias) with the cluster heads' weights concatenated along the input axis and their
+    biases summed.
 
     With this head, ConcatModel's logits are Σ_k (W_k f_k(x) + b_k): the sum of the cluster
     models' logits.
     """
-    weight = torch.cat([state[CLASSIFIER_WEIGHT] for state in cluster_states], dim=1)
-    bias = torch.stack([state[CLASSIFIER_BIAS] for state in cluster_states]).sum(dim=0)
+    weight_key, bias_key = head_keys(head)
+    weight = torch.cat([state[weight_key] for state in cluster_states], dim=1)
+    bias = torch.stack([state[bias_key] for state in cluster_states]).sum(dim=0)
     return weight.clone(), bias.clone()
 
 
@@ -116,17 +234,39 @@ def random_classifier(
 
 
 def concat_state_dict(
-    cluster_states: Sequence[StateDict], classifier: tuple[torch.Tensor, torch.Tensor]
+    cluster_states: Sequence[StateDict], classifier: tuple[torch.Tensor, torch.Tensor], head: str = DEFAULT_HEAD
 ) -> dict[str, torch.Tensor]:
-    """ConcatModel's state dict: each cluster model's ``encoder.*`` entries under
-    ``encoders.<k>.`` (in cluster order), then the given classifier (weight, bias)."""
+    """ConcatModel's state dict: each cluster model's entries but its head's (`head`), as encoder
+    keys (`encoder_prefix`) under ``encoders.<k>.`` in cluster order, then the given
+    classifier (weight, bias)."""
     state: dict[str, torch.Tensor] = {}
     for k, cluster_state in enumerate(cluster_states):
+        prefix = encoder_prefix(cluster_state, head)
         for key, value in cluster_state.items():
-            if key.startswith(ENCODER_PREFIX):
-                state[f"{ENCODERS_PREFIX}{k}.{key[len(ENCODER_PREFIX) :]}"] = value.clone()
+            if key not in head_keys(head):
+                state[f"{ENCODERS_PREFIX}{k}.{key[len(prefix) :]}"] = value.clone()
     state[CLASSIFIER_WEIGHT], state[CLASSIFIER_BIAS] = classifier
     return state
+
+
+def concatenate(
+    cluster_states: Sequence[StateDict], head: str = DEFAULT_HEAD, random_head: torch.Generator | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Stage 3's start: the (encoders, classifier) entries of the ConcatModel over these cluster
+    models (`concat_state_dict`).
+
+    The classifier starts from the cluster heads (`classifier_from_heads`), or, given a
+    `random_head` generator, from nn.Linear's default init drawn from it (`random_classifier`).
+    """
+    if random_head is None:
+        classifier = classifier_from_heads(cluster_states, head)
+    else:
+        weight = cluster_states[0][head_keys(head)[0]]
+        in_features = weight.shape[1] * len(cluster_states)
+        classifier = random_classifier(in_features, weight.shape[0], random_head, weight.dtype)
+    state = concat_state_dict(cluster_states, classifier, head)
+    encoders = {key: value for key, value in state.items() if key.startswith(ENCODERS_PREFIX)}
+    return encoders, {key: state[key] for key in CLASSIFIER_KEYS}
 
 
 def num_encoders(keys: Sequence[str] | Any) -> int:

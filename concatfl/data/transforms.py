@@ -1,8 +1,9 @@
 """Batched image transforms in pure torch: normalization and the standard training augmentations.
 
-All functions take a batch ``x`` of shape ``(B, C, H, W)`` and work on any device. Random draws
-come from the optional ``generator`` so that augmentation is reproducible under a seed; without
-one the global torch RNG is used.
+The augmentations take a batch ``x`` of shape ``(B, C, H, W)``; `normalize` takes any batch
+``(B, C, …)`` (``(B, F)`` for flat features, one value per feature). All work on any device.
+Random draws come from the optional ``generator`` so that augmentation is reproducible under a
+seed; without one the global torch RNG is used.
 """
 
 from __future__ import annotations
@@ -30,14 +31,16 @@ def _rng_device(generator: torch.Generator | None) -> torch.device:
 
 
 def normalize(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """``(x - mean) / std`` per channel; ``mean`` and ``std`` have one value per channel."""
-    _check_batch(x)
+    """``(x - mean) / std`` per channel (axis 1); ``mean`` and ``std`` have one value per channel."""
+    if x.dim() < 2:
+        raise ValueError(f"expected a batch of shape (B, C, ...), got {tuple(x.shape)}")
     if len(mean) != x.shape[1] or len(std) != x.shape[1]:
         raise ValueError(
             f"mean/std have {len(mean)}/{len(std)} values for a batch with {x.shape[1]} channels"
         )
-    m = torch.as_tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-    s = torch.as_tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    m = torch.as_tensor(mean, dtype=x.dtype, device=x.device).view(shape)
+    s = torch.as_tensor(std, dtype=x.dtype, device=x.device).view(shape)
     return (x - m) / s
 
 

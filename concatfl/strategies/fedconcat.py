@@ -13,7 +13,8 @@ Three stages, all driven by one `FedConcat` strategy:
 3. **Classifier rounds** (rounds T_e+1 … T_e+T_c). The K encoders are concatenated and frozen
    (`core.concat.ConcatModel`); a node receives them once (``"train.fedconcat_features"``),
    caches its features, and from then on only the linear classifier goes down and comes back
-   (``"train.fedconcat_head"``). See `concatfl.fedconcat_client` for the client side.
+   (``"train.fedconcat_head"``). The messages are specified in `concatfl.protocol`; the client
+   side is `concatfl.fedconcat_client`.
 
 Communication, for model size w, N nodes, classifier fraction c (classifier size / model
 size) and full participation, is the paper's 2wN(T_e + K/2 + cKT_c): 2wN per encoder round,
@@ -40,19 +41,22 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 from torch import nn
 
-from ..core.clustering import cluster_distributions, infer_label_distribution, nearest_cluster
+from ..core.clustering import assign_clusters, infer_label_distribution
 from ..core.concat import (
-    CLASSIFIER_KEYS,
-    ENCODERS_PREFIX,
+    CLASSIFIER_WEIGHT,
+    DEFAULT_HEAD,
     ConcatModel,
+    check_head,
     classifier_from_heads,
     concat_state_dict,
+    concatenate,
     is_concat_state,
     num_encoders,
-    random_classifier,
     save_concat_model,
+    split_model,
 )
-from ..fedconcat_client import (
+from ..models import resolve_model_name
+from ..protocol import (
     CACHE_MISS,
     CLASSIFIER_STEPS,
     DP_EPSILON,
@@ -60,12 +64,12 @@ from ..fedconcat_client import (
     ENCODERS_KEY,
     FEATURES_MESSAGE_TYPE,
     HEAD_MESSAGE_TYPE,
+    HEAD_NAME,
     LABEL_DISTRIBUTION,
     LABELS_MESSAGE_TYPE,
     MODEL_NAME,
     NUM_ENCODERS,
 )
-from ..models import resolve_model_name
 from ..training import Normalization
 from .base import EvaluateFn, RelayStrategy
 from .common import (
@@ -94,6 +98,17 @@ ENCODER_BROADCAST = "encoder-broadcast"
 CLASSIFIER = "classifier"
 STAGES = (ENCODER_TRAINING, ENCODER_BROADCAST, CLASSIFIER)
 
+# What a run needs beyond the strategy, told with every model error.
+REQUIREMENTS = (
+    "FedConcat needs a model whose forward ends with a linear head, `return self.<head>(features)`, "
+    "named by FedConcat(head=...) (default 'classifier', concatfl's own models), and a ClientApp that "
+    "answers FedConcat's messages with the handlers of concatfl.fedconcat_client (label query, "
+    "features, head training) besides its ordinary train handler; see docs/strategies.md, "
+    "'FedConcat with your own model'"
+)
+# Random inputs on which the server checks the split of `make_model()` at the head.
+SPLIT_CHECK_SIZE = 2
+
 
 @dataclass
 class _ClassifierRound:
@@ -110,19 +125,21 @@ class _ClassifierRound:
 class FedConcat(RelayStrategy):
     """FedConcat / FedConcat-ID: clustered FedAvg of encoders, then a global head on their concatenation.
 
-    The run's model must follow `concatfl.models`' layout (``encoder.*`` then
-    ``classifier.weight``/``classifier.bias``). `start()` runs `encoder_rounds` +
-    `classifier_rounds` rounds whatever `num_rounds` says (logged). During the encoder rounds the
-    returned global model is the ensemble of the cluster models (a ConcatModel whose head sums
-    their logits), so the per-round accuracy is that ensemble's; during the classifier rounds it
-    is the ConcatModel being trained. `global_module` rebuilds it.
+    The run's model is any whose forward ends with a linear layer, the head (`head`); the rest is
+    the encoder (docs/strategies.md, "FedConcat with your own model", says what a user's model
+    and ClientApp need). `start()` checks the model before anything is sent, then runs
+    `encoder_rounds` + `classifier_rounds` rounds whatever `num_rounds` says (logged). During
+    the encoder rounds the returned global model is the ensemble of the cluster models (a
+    ConcatModel whose head sums their logits), so the per-round accuracy is that ensemble's;
+    during the classifier rounds it is the ConcatModel being trained. `global_module` rebuilds
+    it.
 
     Parameters
     ----------
     label_inference : bool (default: False)
         False: FedConcat, clients report label distributions. True: FedConcat-ID, the server
-        infers them from one round of ordinary local training (needs `make_model`,
-        `input_shape` and `normalization`).
+        infers them from one round of ordinary local training (needs `make_model` and
+        `input_shape`).
     num_clusters : int | None (default: 5)
         K for K-means; None chooses K by the elbow rule (`core.clustering.elbow`). K never
         exceeds the number of distinct distributions; clusters left empty are dropped (logged).
@@ -150,15 +167,27 @@ class FedConcat(RelayStrategy):
         rounds ask the members for FedDyn's objective. FedConcat-ID's label-inference round
         trains with plain SGD: its models only serve to infer distributions, and a g_k moved
         there would have no server step to match. The head trains on cached features as always.
+    head : str (default: "classifier")
+        Name of the model's head, the nn.Linear its forward ends with: state keys
+        ``<head>.weight`` (num_classes × feature_dim) and ``<head>.bias``, e.g. ``"fc3"`` for
+        Flower's quickstart CNN; its input is the encoder's output, the features.
+        `concatfl.models`' architectures need no argument. Sent to the clients with the
+        encoders.
     model_name : str (default: "")
         `concatfl.models` name of the run's architecture; sent to clients so they can rebuild
-        the encoders, and written into the saved model file.
+        the encoders, and written into the saved model file. "" for a user's own model (the
+        ClientApp then passes its `make_model` to `concatfl.fedconcat_client.handle_features`).
     input_shape : Sequence[int] | None (default: None)
-        (C, H, W) of the inputs; needed for label inference and for saving the model.
-    normalization : Normalization | None (default: None)
-        The input normalization; needed for label inference, saved with the model.
+        Shape of one input as the model takes it before `normalization`: (C, H, W) for images,
+        (F,) for flat features, any other for other models; needed for label inference and for
+        saving the model. With `make_model`, `start()` also checks the head on random inputs of
+        this shape.
+    normalization : Callable[[torch.Tensor], torch.Tensor] | None (default: None)
+        Maps a batch of inputs drawn uniformly from [0, 1] to the model's inputs for label
+        inference (None: fed as drawn); a `Normalization` is also saved with the model.
     make_model : Callable[[], nn.Module] | None (default: None)
-        A fresh model of the run's architecture; needed for label inference and `evaluate_model`.
+        A fresh model of the run's architecture; needed for label inference, `evaluate_model`
+        and `global_module`.
     evaluate_model : Callable[[nn.Module], tuple[float, float]] | None (default: None)
         (loss, accuracy) of a module on the global test set; when given, every cluster model is
         evaluated at the end of the encoder stage (recorded as ``cluster_evaluation``).
@@ -169,6 +198,11 @@ class FedConcat(RelayStrategy):
     round_timeout, seed
         See `RelayStrategy`. Federated evaluation is not offered: a client's evaluate handler
         knows the run's model, not the concatenated one; the server evaluates it instead.
+
+    Raises ValueError at construction for invalid settings, and in `start()`, before any
+    message, when `initial_arrays` has no linear head `head` (the message lists the model's
+    keys, the layer that looks like its head, and what FedConcat needs from the model and the
+    ClientApp) or when `make_model()`'s output is not its head applied to the head's input.
 
     Faults: a missing, failed or rejected reply is left out of its aggregation in every stage.
     A node that gives no usable distribution in stage 1 joins the cluster whose centre is
@@ -195,9 +229,10 @@ class FedConcat(RelayStrategy):
         init_classifier: bool = False,
         fraction_train: float = 1.0,
         feddyn: FedDynServer | None = None,
+        head: str = DEFAULT_HEAD,
         model_name: str = "",
         input_shape: Sequence[int] | None = None,
-        normalization: Normalization | None = None,
+        normalization: Callable[[torch.Tensor], torch.Tensor] | None = None,
         make_model: Callable[[], nn.Module] | None = None,
         evaluate_model: Callable[[nn.Module], tuple[float, float]] | None = None,
         device: torch.device | str = "cpu",
@@ -216,8 +251,10 @@ class FedConcat(RelayStrategy):
             raise ValueError(f"dp_epsilon must be >= 0, got {dp_epsilon}")
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
-        if label_inference and (make_model is None or input_shape is None or normalization is None):
-            raise ValueError("label_inference needs make_model, input_shape and normalization")
+        if not head or head.startswith(".") or head.endswith("."):
+            raise ValueError(f"head must name the model's last linear layer, e.g. 'fc3', got {head!r}")
+        if label_inference and (make_model is None or input_shape is None):
+            raise ValueError("label_inference needs make_model and input_shape (one input's shape, e.g. (64,))")
         if evaluate_model is not None and make_model is None:
             raise ValueError("evaluate_model needs make_model")
         if output_path is not None and (not model_name or input_shape is None):
@@ -233,6 +270,7 @@ class FedConcat(RelayStrategy):
         self.init_classifier = init_classifier
         self.fraction_train = fraction_train
         self.feddyn = feddyn
+        self.head = head
         self.model_name = model_name
         self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
         self.normalization = normalization
@@ -268,29 +306,24 @@ class FedConcat(RelayStrategy):
     def setup(self, grid: Grid, initial_arrays: ArrayRecord, train_config: ConfigRecord) -> None:
         """Stage 1: collect (or infer) label distributions and cluster the nodes."""
         nodes = live_node_ids(grid)
-        num_classes = int(initial_arrays[CLASSIFIER_KEYS[0]].shape[0])
+        num_classes, _ = check_head(_shapes(initial_arrays), self.head)
         if self.label_inference:
             distributions, hop = self._infer_distributions(grid, nodes, initial_arrays, train_config)
         else:
             distributions, hop = self._query_distributions(grid, nodes, num_classes)
         if not distributions:
             raise RuntimeError(f"stage 1: none of the {len(nodes)} nodes gave a label distribution")
-        reported = sorted(distributions)
-        points = np.stack([distributions[node] for node in reported])
-        clustering = cluster_distributions(
-            points, self.num_clusters, balanced=self.balanced, seed=int(self.rng.integers(2**31))
+        stage1 = assign_clusters(
+            distributions, nodes, self.num_clusters, balanced=self.balanced, seed=int(self.rng.integers(2**31))
         )
-        self.assignment = {node: int(label) for node, label in zip(reported, clustering.labels, strict=True)}
-        unreported = [node for node in nodes if node not in distributions]
-        if unreported:
-            fallback = nearest_cluster(points.mean(axis=0), clustering.centres)
+        self.assignment, clustering = stage1.assignment, stage1.clustering
+        if stage1.unreported:
             log(
                 WARNING,
                 "Stage 1: nodes %s gave no distribution; they join cluster %d (nearest to the mean)",
-                unreported,
-                fallback,
+                stage1.unreported,
+                stage1.fallback,
             )
-            self.assignment.update({node: fallback for node in unreported})
         if clustering.k < clustering.requested:
             log(
                 WARNING,
@@ -326,9 +359,9 @@ class FedConcat(RelayStrategy):
             "elbow_inertias": list(clustering.inertias),
             "balanced": self.balanced,
             "clusters": clusters,
-            "unreported_nodes": unreported,
+            "unreported_nodes": stage1.unreported,
             "distributions": {
-                str(node): [round(float(p), 6) for p in distributions[node]] for node in reported
+                str(node): [round(float(p), 6) for p in distributions[node]] for node in sorted(distributions)
             },
         }
 
@@ -372,7 +405,7 @@ class FedConcat(RelayStrategy):
         Every model sees the same random inputs (one seed for the stage), so differences in
         P^ID come from the models alone.
         """
-        assert self.make_model is not None and self.input_shape is not None and self.normalization is not None
+        assert self.make_model is not None and self.input_shape is not None
         settings = {**dict(train_config), "server-round": 0}
         if self.feddyn is not None:
             settings["local-objective"] = "sgd"
@@ -463,6 +496,7 @@ class FedConcat(RelayStrategy):
                 MODEL_NAME: self.model_name,
                 NUM_ENCODERS: len(self.cluster_models),
                 ENCODERS_ID: self.encoders_id,
+                HEAD_NAME: self.head,
                 "server-round": server_round,
             }
             return [
@@ -564,7 +598,7 @@ class FedConcat(RelayStrategy):
     def _ensemble(self) -> ArrayRecord:
         """The cluster models as one ConcatModel whose head sums their logits."""
         states = self._cluster_states()
-        return ArrayRecord(concat_state_dict(states, classifier_from_heads(states)))
+        return ArrayRecord(concat_state_dict(states, classifier_from_heads(states, self.head), self.head))
 
     def _fresh_cluster_feddyn(self, count: int) -> list[FedDynServer]:
         """One FedDyn server state (h = 0) per cluster, with the run's α and keys."""
@@ -585,24 +619,17 @@ class FedConcat(RelayStrategy):
             self.cluster_models = [self.cluster_models[cluster] for cluster in trained]
             self.cluster_updates = [self.cluster_updates[cluster] for cluster in trained]
             self.cluster_feddyn = [self.cluster_feddyn[cluster] for cluster in trained] if self.cluster_feddyn else []
-        states = self._cluster_states()
-        if self.init_classifier:
-            head = classifier_from_heads(states)
-        else:
-            weight = states[0][CLASSIFIER_KEYS[0]]
-            generator = torch.Generator().manual_seed(int(self.rng.integers(2**63)))
-            head = random_classifier(weight.shape[1] * len(states), weight.shape[0], generator, weight.dtype)
-        state = concat_state_dict(states, head)
-        self.encoders = ArrayRecord(
-            {key: value for key, value in state.items() if key.startswith(ENCODERS_PREFIX)}
-        )
-        self.classifier = ArrayRecord({key: state[key] for key in CLASSIFIER_KEYS})
+        random_head = None
+        if not self.init_classifier:
+            random_head = torch.Generator().manual_seed(int(self.rng.integers(2**63)))
+        encoders, classifier = concatenate(self._cluster_states(), self.head, random_head)
+        self.encoders, self.classifier = ArrayRecord(encoders), ArrayRecord(classifier)
         self.encoders_id = fingerprint(self.encoders)
         log(
             INFO,
             "Stage 3: %d encoders concatenated (classifier %s, init %s)",
-            len(states),
-            tuple(head[0].shape),
+            len(self.cluster_models),
+            tuple(self.classifier[CLASSIFIER_WEIGHT].shape),
             "from cluster heads" if self.init_classifier else "random",
         )
 
@@ -625,7 +652,7 @@ class FedConcat(RelayStrategy):
         """A ConcatModel for FedConcat's global arrays (the plain model for the initial ones)."""
         if not is_concat_state(arrays.keys()):
             return super().global_module(arrays, make_model)
-        model = ConcatModel.from_factory(make_model, num_encoders(list(arrays.keys())))
+        model = ConcatModel.from_factory(make_model, num_encoders(list(arrays.keys())), self.head)
         model.load_state_dict(arrays.to_torch_state_dict())
         return model
 
@@ -633,7 +660,7 @@ class FedConcat(RelayStrategy):
         """Write the current ConcatModel to `path` (loadable with `core.concat.load_concat_model`)."""
         assert self.input_shape is not None
         mean = std = None
-        if self.normalization is not None:
+        if isinstance(self.normalization, Normalization):
             mean, std = self.normalization.mean, self.normalization.std
         return save_concat_model(
             path,
@@ -655,7 +682,9 @@ class FedConcat(RelayStrategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: EvaluateFn | None = None,
     ) -> Result:
-        """Run T_e + T_c rounds (`num_rounds` is not used), then save the model to `output_path`."""
+        """Check the model, run T_e + T_c rounds (`num_rounds` is not used), then save the model
+        to `output_path`."""
+        self.check_model(initial_arrays)
         if num_rounds != self.num_rounds:
             log(
                 INFO,
@@ -671,6 +700,28 @@ class FedConcat(RelayStrategy):
         if self.output_path is not None and self.classifier is not None:
             log(INFO, "FedConcat model saved to %s", self.save_model(self.output_path))
         return result
+
+    def check_model(self, initial_arrays: ArrayRecord) -> None:
+        """Raise ValueError, saying what FedConcat needs, unless the model splits at `head`.
+
+        Checks the shapes of `initial_arrays` (unless they are a ConcatModel's, as a resumed run
+        passes) and, with `make_model` and `input_shape`, that ``head(encoder(x)) == model(x)``
+        on random inputs (the global torch RNG is left as it was).
+        """
+        try:
+            if not is_concat_state(initial_arrays.keys()):
+                check_head(_shapes(initial_arrays), self.head)
+            if self.make_model is not None and self.input_shape is not None:
+                generator = torch.Generator().manual_seed(0)
+                sample = torch.rand((SPLIT_CHECK_SIZE, *self.input_shape), generator=generator)
+                if self.normalization is not None:
+                    sample = self.normalization(sample)
+                with torch.random.fork_rng(devices=[]):  # building a model must not move the run's RNG
+                    split_model(self.make_model(), self.head, sample)
+        except ValueError as error:
+            raise ValueError(
+                f"FedConcat cannot split the model into encoder and head: {error}. {REQUIREMENTS}"
+            ) from None
 
     def state_dict(self) -> dict[str, Any]:
         """Base state plus clusters, cluster models, encoders, classifier, caches, byte counts."""
@@ -713,6 +764,10 @@ def fingerprint(arrays: ArrayRecord) -> str:
         digest.update(key.encode())
         digest.update(np.ascontiguousarray(array.numpy()).tobytes())
     return digest.hexdigest()[:16]
+
+
+def _shapes(arrays: ArrayRecord) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(int(d) for d in array.shape) for key, array in arrays.items()}
 
 
 def _to_numpy(arrays: ArrayRecord) -> dict[str, np.ndarray]:
