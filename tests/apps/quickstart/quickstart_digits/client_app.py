@@ -22,14 +22,23 @@ def local_data(context: Context):
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Train the received model on the local data (FedConcat's encoder rounds and FedConcat-ID's
-    first round are such ordinary train messages)."""
+    """Train the received model on the local data: every FedCat and FedSeq message, FedConcat's
+    encoder rounds and FedConcat-ID's first round are such ordinary train messages."""
     model = Net()
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     x, y = local_data(context)
     config = msg.content["config"]
     seed = int(config.get("server-round", 0)) * 1000 + int(context.node_config["partition-id"])
-    loss = train_fn(model, x, y, int(context.run_config["local-epochs"]), float(config["lr"]), seed)
+    loss = train_fn(
+        model,
+        x,
+        y,
+        int(context.run_config["local-epochs"]),
+        float(config["lr"]),
+        seed,
+        momentum=float(context.run_config["momentum"]),
+        batch_size=int(context.run_config["batch-size"]),
+    )
     metrics = MetricRecord({"train_loss": loss, "num-examples": len(y)})
     return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg)
 

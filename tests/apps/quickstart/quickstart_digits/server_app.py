@@ -1,4 +1,5 @@
-"""The ServerApp: FedConcat (or FedConcat-ID) on `Net`, whose head is `fc3`, evaluated centrally."""
+"""The ServerApp: concatfl's FedConcat (or FedConcat-ID) on `Net`, whose head is `fc3`, or FedCat
+or FedSeq with their default arguments; evaluated centrally."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
 
-from concatfl.strategies import FedConcat
+from concatfl.strategies import FedCat, FedConcat, FedSeq
+from concatfl.strategies.base import RelayStrategy
 
-from .task import NUM_FEATURES, Net, load_test_data, test
+from .task import NUM_CLASSES, NUM_FEATURES, Net, load_test_data, test
 
 app = ServerApp()
 
@@ -30,12 +32,36 @@ def main(grid: Grid, context: Context) -> None:
     (output / "metrics.json").write_text(json.dumps(summary, default=str))
 
 
-def run(grid: Grid, context: Context) -> tuple[FedConcat, Result]:
+def run(grid: Grid, context: Context) -> tuple[RelayStrategy, Result]:
     """Build the strategy from the run config and run it to the end."""
     config = context.run_config
     x_test, y_test = load_test_data()
-    strategy = FedConcat(
-        label_inference=config["variant"] == "fedconcat-id",
+    strategy = build(config, x_test, y_test)
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        loss, accuracy = test(strategy.global_module(arrays, Net), x_test, y_test)
+        return MetricRecord({"accuracy": accuracy, "loss": loss})
+
+    torch.manual_seed(0)
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(Net().state_dict()),
+        num_rounds=int(config["num-server-rounds"]),
+        train_config=ConfigRecord({"lr": float(config["lr"])}),
+        evaluate_fn=evaluate,
+    )
+    return strategy, result
+
+
+def build(config, x_test: torch.Tensor, y_test: torch.Tensor) -> RelayStrategy:
+    """The concatfl strategy the run config's `variant` names."""
+    variant = config["variant"]
+    if variant == "fedcat":
+        return FedCat()
+    if variant == "fedseq":
+        return FedSeq(Net, NUM_CLASSES, exemplar_pool=(x_test, y_test))
+    return FedConcat(
+        label_inference=variant == "fedconcat-id",
         head="fc3",
         num_clusters=int(config["num-clusters"]),
         encoder_rounds=int(config["encoder-rounds"]),
@@ -46,16 +72,3 @@ def run(grid: Grid, context: Context) -> tuple[FedConcat, Result]:
         input_shape=(NUM_FEATURES,),
         seed=0,
     )
-
-    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        loss, accuracy = test(strategy.global_module(arrays, Net), x_test, y_test)
-        return MetricRecord({"accuracy": accuracy, "loss": loss})
-
-    torch.manual_seed(0)
-    result = strategy.start(
-        grid=grid,
-        initial_arrays=ArrayRecord(Net().state_dict()),
-        train_config=ConfigRecord({"lr": float(config["lr"])}),
-        evaluate_fn=evaluate,
-    )
-    return strategy, result

@@ -67,15 +67,25 @@ def load_test_data() -> tuple[torch.Tensor, torch.Tensor]:
     return x_test, y_test
 
 
-def train(net: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: float, seed: int) -> float:
-    """Mini-batch SGD (batch 32); returns the mean loss of the last epoch."""
+# pylint: disable=too-many-arguments
+def train(
+    net: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    epochs: int,
+    lr: float,
+    seed: int,
+    momentum: float = 0.0,
+    batch_size: int = 32,
+) -> float:
+    """Mini-batch SGD; returns the mean loss of the last epoch."""
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
     net.train()
     losses = []
     for _ in range(epochs):
         losses = []
-        for batch in torch.randperm(len(y), generator=generator).split(32):
+        for batch in torch.randperm(len(y), generator=generator).split(batch_size):
             optimizer.zero_grad()
             loss = nn.functional.cross_entropy(net(x[batch]), y[batch])
             loss.backward()
