@@ -69,7 +69,7 @@ class RunConfig:
     fedcat_epsilon: float = 0.5
     fedcat_selection: str = "grouped-count"
     fedcat_concat: bool = True
-    fedcat_hop_step: float = 1.0
+    fedcat_hop_step: float = 0.5
     fedcat_hop_clip: float = 1.5
     fedseq_pretrain_epochs: int = 10
     fedseq_approximator: str = "conf"
@@ -82,7 +82,7 @@ class RunConfig:
     fedseq_min_samples: int = 800
     fedseq_max_clients: int = 11
     fedseq_superclient_epochs: int = 1
-    fedseq_hop_step: float = 1.0
+    fedseq_hop_step: float = 0.5
     fedseq_hop_clip: float = 1.5
     fedconcat_clusters: str = "5"
     fedconcat_balanced: bool = False

@@ -9,52 +9,21 @@ nodes; the e2e test runs it once through `flwr run`.
 
 from __future__ import annotations
 
-import importlib
-import tomllib
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Context, RecordDict
+from flwr.app import ArrayRecord
 from torch import nn
 
 from concatfl.protocol import FEATURES_MESSAGE_TYPE, HEAD_MESSAGE_TYPE, HEAD_NAME, LABELS_MESSAGE_TYPE
 from concatfl.strategies import FedConcat
-from tests.fakes import BIG_IDS, FakeGrid
+from tests.fakes import BIG_IDS
 
 from .e2e import leftover_processes
+from .user_app import APP_DIR, NUM_NODES, RUN_CONFIG, federation, fixture_app, serve  # noqa: F401  (fixture)
 
-APP_DIR = Path(__file__).parent / "apps" / "quickstart"
-RUN_CONFIG = tomllib.loads((APP_DIR / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-NUM_NODES = 10
 GROUPS = 5  # partition i holds the classes {2g, 2g+1}, g = i mod 5 (quickstart_digits.task)
-
-
-@pytest.fixture(name="app")
-def fixture_app(monkeypatch):
-    """The app's modules, imported from its folder as Flower imports them."""
-    monkeypatch.syspath_prepend(str(APP_DIR))
-    return (
-        importlib.import_module("quickstart_digits.task"),
-        importlib.import_module("quickstart_digits.client_app"),
-        importlib.import_module("quickstart_digits.server_app"),
-    )
-
-
-def federation(client_app, run_config) -> FakeGrid:
-    """NUM_NODES nodes running the app's ClientApp, each with its partition and its own state."""
-    contexts = {
-        BIG_IDS[i]: Context(
-            run_id=1,
-            node_id=BIG_IDS[i],
-            node_config={"partition-id": i, "num-partitions": NUM_NODES},
-            state=RecordDict(),
-            run_config=run_config,
-        )
-        for i in range(NUM_NODES)
-    }
-    return FakeGrid({node: (lambda message, node=node: client_app(message, contexts[node])) for node in contexts})
 
 
 @pytest.mark.parametrize("variant", ["fedconcat", "fedconcat-id"])
@@ -62,8 +31,7 @@ def test_a_users_app_runs_fedconcat_on_its_own_model(app, variant):
     task, client, server = app
     run_config = {**RUN_CONFIG, "variant": variant}
     grid = federation(client.app, run_config)
-    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
-    strategy, result = server.run(grid, context)
+    strategy, result = serve(server, grid, run_config)
 
     rounds = RUN_CONFIG["encoder-rounds"] + RUN_CONFIG["classifier-rounds"]
     assert [record["stage"] for record in strategy.history] == (

@@ -9,8 +9,8 @@ import pytest
 from flwr.app import ArrayRecord, MetricRecord
 
 from concatfl.core.sequential import (
-    HOP_LENGTH_RATIO_LIMIT,
     REFERENCE_HOPS,
+    STALL_AGGREGATIONS,
     damp,
     diverged,
     divergence,
@@ -101,12 +101,16 @@ def test_copies_that_moved_alike_do_not_diverge():
     assert (signal.spread, signal.ratio) == (0.0, 0.0)
 
 
-def test_diverged_names_long_later_hops_and_an_average_worse_than_its_parts():
-    assert diverged(None, None, []) is None
-    assert diverged(HOP_LENGTH_RATIO_LIMIT, 0.5, [0.5, 0.5]) is None
-    assert "3.0×" in diverged(3.0, None, [])
-    assert "0.100" in diverged(1.0, 0.1, [0.4, 0.5])
-    assert diverged(1.0, 0.4, [0.45, 0.5]) is None  # within the allowed drop
+def test_diverged_names_a_stalled_average_and_an_average_worse_than_its_parts():
+    assert diverged(5, 0.1, None, []) is None  # nothing evaluated: no verdict
+    # Stalled: under 1.5x the start model's 0.1 from the third aggregation on, not before.
+    assert diverged(STALL_AGGREGATIONS - 1, 0.1, 0.12, [0.12]) is None
+    assert "after 3 aggregations" in diverged(STALL_AGGREGATIONS, 0.1, 0.12, [0.12])
+    assert diverged(STALL_AGGREGATIONS, 0.1, 0.16, [0.16]) is None
+    assert diverged(STALL_AGGREGATIONS, None, 0.12, [0.12]) is None  # start model not evaluated
+    # The average is more than 0.15 below the mean of its parts, at any aggregation.
+    assert "0.100" in diverged(1, 0.1, 0.1, [0.4, 0.5])
+    assert diverged(1, 0.1, 0.4, [0.45, 0.5]) is None
 
 
 # ------------------------------------------------------------------ ChainGuard
@@ -154,9 +158,11 @@ def test_guard_check_records_divergence_and_warns_once(caplog):
     guard.step(start, record([1.0, 0.0]), first_hop=True)
     guard.step(record([1.0, 0.0]), record([1.0, 4.0]), first_hop=False)  # 4× a first hop
     scores = {1.0: 0.5, -1.0: 0.5, 0.0: 0.1}  # w[0] → accuracy: both copies 0.5, their average 0.1
+    evaluated = []
 
     def evaluate(arrays: ArrayRecord) -> MetricRecord:
-        return MetricRecord({"accuracy": scores[float(to_numpy(arrays)["w"][0])]})
+        evaluated.append(float(to_numpy(arrays)["w"][0]))
+        return MetricRecord({"accuracy": scores[evaluated[-1]]})
 
     copies = [record([1.0, 0.0]), record([-1.0, 0.0])]
     with caplog.at_level(logging.WARNING):
@@ -172,11 +178,27 @@ def test_guard_check_records_divergence_and_warns_once(caplog):
         "average_accuracy": 0.1,
         "diverged": True,
     }
+    # The start model once, then the two copies and the average at each check.
+    assert evaluated == [0.0, 1.0, -1.0, 0.0, 1.0, -1.0, 0.0]
     # The hops were counted once: the second check sees none, but the average is still worse.
     assert "hop_length_ratio" not in second and second["diverged"] is True
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    assert "FedCat" in warnings[0] and "fedcat-hop-clip" in warnings[0] and "4.0×" in warnings[0]
+    assert "FedCat" in warnings[0] and "fedcat-hop-clip" in warnings[0] and "0.100" in warnings[0]
+
+
+def test_guard_warns_when_the_average_stalls_near_the_start_model(caplog):
+    guard = ChainGuard("FedSeq", 1.0, 1.5, ("fedseq-hop-step", "fedseq-hop-clip"))
+    start, chain = record([0.0]), record([1.0])
+
+    def evaluate(arrays: ArrayRecord) -> MetricRecord:  # the start model 0.1, the chain's 0.12
+        return MetricRecord({"accuracy": 0.1 if float(to_numpy(arrays)["w"][0]) == 0.0 else 0.12})
+
+    with caplog.at_level(logging.WARNING):
+        verdicts = [guard.check(start, [chain], [1.0], chain, evaluate)["diverged"] for _ in range(4)]
+    assert verdicts == [False, False, True, True]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "after 3 aggregations" in warnings[0] and "fedseq-hop-step" in warnings[0]
 
 
 def test_guard_state_round_trip_bounds_the_next_hop_identically():

@@ -105,8 +105,8 @@ class Suite:
         return next((c for c in self.cells if c.setting == setting and c.method == method), None)
 
 
-# The papers' algorithms exactly: FedCat and FedSeq without concatfl's bound on hop lengths.
-PAPER_EXACT = {"fedcat-hop-clip": 0.0, "fedseq-hop-clip": 0.0}
+# The papers' algorithms exactly: FedCat and FedSeq take every reply as it is (no damped or bounded hops).
+PAPER_EXACT = {"fedcat-hop-step": 1.0, "fedcat-hop-clip": 0.0, "fedseq-hop-step": 1.0, "fedseq-hop-clip": 0.0}
 SEQUENTIAL = ("fedcat", "fedseq", "fedseq-inter")
 
 

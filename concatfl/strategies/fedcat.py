@@ -30,7 +30,7 @@ from ..core.fedcat import (
 from .base import EvaluateFn, RelayStrategy
 from .common import NUM_EXAMPLES_KEY, HopResult, Request, live_node_ids, train_content, weighted_average
 from .feddyn import FedDynServer, from_config as feddyn_from_config
-from .sequential import DEFAULT_HOP_CLIP, ChainGuard
+from .sequential import DEFAULT_HOP_CLIP, DEFAULT_HOP_STEP, ChainGuard
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -103,6 +103,19 @@ class FedCat(RelayStrategy):
         K shrinking) the server applies FedDyn's step with the K copies as its m clients, θ_prev
         the model the cycle started from and the d_i-weighted average as the mean. The average
         reported for a last round inside a cycle is not corrected (h is left for a resumed run).
+    hop_step : float (default: 0.5)
+        η in (0, 1]: the share of each hop's update the server takes; the travelling model moves
+        by s·(returned − sent) with s ≤ η (`concatfl.core.sequential`). 1 with `hop_clip` 0 is
+        the paper's algorithm exactly. See docs/strategies.md, "Sequential training under
+        ordinary client optimizers", for why η = 0.5 is the default.
+    hop_clip : float (default: 1.5)
+        c ≥ 0: a later hop may move the model at most c times the median length of the recent
+        first hops (hops that start from the averaged model); longer hops are scaled down.
+        0: no bound.
+    check_parts : bool (default: True)
+        At each aggregation, also evaluate the averaged models (with `evaluate_fn`) to tell
+        whether their average lost accuracy; one server evaluation per model. The round's
+        ``divergence`` record and the run's one warning come from `ChainGuard.check`.
     fraction_evaluate, round_timeout, seed
         See `RelayStrategy`.
     """
@@ -117,7 +130,7 @@ class FedCat(RelayStrategy):
         selection: str = "grouped-count",
         concat: bool = True,
         feddyn: FedDynServer | None = None,
-        hop_step: float = 1.0,
+        hop_step: float = DEFAULT_HOP_STEP,
         hop_clip: float = DEFAULT_HOP_CLIP,
         check_parts: bool = True,
         fraction_evaluate: float = 0.0,

@@ -41,7 +41,7 @@ from .common import (
 )
 from .fedavg import sample_count
 from .feddyn import FedDynServer, from_config as feddyn_from_config
-from .sequential import DEFAULT_HOP_CLIP, ChainGuard
+from .sequential import DEFAULT_HOP_CLIP, DEFAULT_HOP_STEP, ChainGuard
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -135,6 +135,19 @@ class FedSeq(RelayStrategy):
         Diagnostic for simulations: ask every client for its true label counts (a "query"
         message answered with ``metrics["label-counts"]``) and report the superclients'
         balance from them too.
+    hop_step : float (default: 0.5)
+        η in (0, 1]: the share of each hop's update the server takes; the travelling model moves
+        by s·(returned − sent) with s ≤ η (`concatfl.core.sequential`). 1 with `hop_clip` 0 is
+        the paper's algorithm exactly. See docs/strategies.md, "Sequential training under
+        ordinary client optimizers", for why η = 0.5 is the default.
+    hop_clip : float (default: 1.5)
+        c ≥ 0: a later hop may move the model at most c times the median length of the recent
+        first hops (hops that start from the averaged model); longer hops are scaled down.
+        0: no bound.
+    check_parts : bool (default: True)
+        At each aggregation, also evaluate the averaged models (with `evaluate_fn`) to tell
+        whether their average lost accuracy; one server evaluation per model. The round's
+        ``divergence`` record and the run's one warning come from `ChainGuard.check`.
     fraction_evaluate, round_timeout, seed
         See `RelayStrategy`.
     """
@@ -164,7 +177,7 @@ class FedSeq(RelayStrategy):
         proximal_mu: float = 0.0,
         feddyn: FedDynServer | None = None,
         report_label_counts: bool = False,
-        hop_step: float = 1.0,
+        hop_step: float = DEFAULT_HOP_STEP,
         hop_clip: float = DEFAULT_HOP_CLIP,
         check_parts: bool = True,
         fraction_evaluate: float = 0.0,

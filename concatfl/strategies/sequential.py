@@ -4,9 +4,10 @@
 taken with the step size of `concatfl.core.sequential.hop_step_size` (a fixed server step η
 and a bound on hops much longer than first hops). `ChainGuard.check` runs whenever the
 travelling models are averaged: it measures how far they ended apart, how long the later hops
-were against first hops, and (optionally) whether the average lost accuracy against the
-models, returns that as a JSON-ready record for metrics.json, and logs one WARNING per run the
-first time the chains look broken.
+were against first hops, and (with the run's central evaluation) the accuracy of the models,
+of their average and of the model the run started from; it returns that as a JSON-ready record
+for metrics.json and logs one WARNING per run the first time the chains look broken
+(`concatfl.core.sequential.diverged`).
 """
 
 from __future__ import annotations
@@ -20,18 +21,12 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, MetricRecord
 from flwr.supercore import log
 
-from ..core.sequential import (
-    REFERENCE_HOPS,
-    damp,
-    diverged,
-    divergence,
-    hop_step_size,
-    reference_length,
-    update_norm,
-)
+from ..core.sequential import REFERENCE_HOPS, damp, diverged, divergence, hop_step_size, reference_length, update_norm
 
 Evaluate = Callable[[ArrayRecord], MetricRecord | None]
-# The bound FedCat and FedSeq use unless told otherwise (docs/strategies.md gives the evidence).
+# The step and bound FedCat and FedSeq use unless told otherwise (docs/results.md, the
+# sequential-stability map, gives the evidence; docs/strategies.md the reasoning).
+DEFAULT_HOP_STEP = 0.5
 DEFAULT_HOP_CLIP = 1.5
 
 
@@ -61,8 +56,9 @@ class ChainGuard:
     keys : tuple[str, str]
         The run-config keys of `hop_step` and `hop_clip`, named in the warning.
     check_parts : bool
-        Evaluate every averaged model (with the run's `evaluate_fn`) besides their average, to
-        tell whether averaging lost accuracy; costs one server evaluation per averaged model.
+        Evaluate the averaged models, their average and (once) the model the run started from
+        with the run's `evaluate_fn`: the warning's signs need these accuracies. Costs one server
+        evaluation per averaged model.
     """
 
     # pylint: disable=too-many-arguments
@@ -81,6 +77,8 @@ class ChainGuard:
         self._first_lengths: deque[float] = deque(maxlen=REFERENCE_HOPS)
         self._later_ratios: list[float] = []  # since the last check: later hop length / reference
         self._steps: list[float] = []  # since the last check: the step size each hop was given
+        self._aggregations = 0
+        self._start_accuracy: float | None = None  # of the model the first chains started from
         self._warned = False
 
     def step(self, sent: ArrayRecord, returned: ArrayRecord, first_hop: bool) -> ArrayRecord:
@@ -118,15 +116,18 @@ class ChainGuard:
         if self._steps:
             record["hop_steps"] = {"min": round(min(self._steps), 4), "mean": round(float(np.mean(self._steps)), 4)}
         self._later_ratios, self._steps = [], []
+        self._aggregations += 1
         average_accuracy, part_accuracies = None, []
         if self.check_parts and evaluate is not None:
+            if self._start_accuracy is None:
+                self._start_accuracy = _accuracy(evaluate(start))
             scores = [_accuracy(evaluate(model)) for model in models]
             average_score = _accuracy(evaluate(average))
             if average_score is not None and None not in scores:
                 average_accuracy, part_accuracies = average_score, [float(a) for a in scores if a is not None]
                 record["part_accuracy"] = [round(a, 4) for a in part_accuracies]
                 record["average_accuracy"] = round(average_accuracy, 4)
-        reason = diverged(hop_ratio, average_accuracy, part_accuracies)
+        reason = diverged(self._aggregations, self._start_accuracy, average_accuracy, part_accuracies)
         record["diverged"] = reason is not None
         if reason is not None and not self._warned:
             self._warned = True
@@ -151,6 +152,8 @@ class ChainGuard:
             "first_lengths": list(self._first_lengths),
             "later_ratios": list(self._later_ratios),
             "steps": list(self._steps),
+            "aggregations": self._aggregations,
+            "start_accuracy": self._start_accuracy,
             "warned": self._warned,
         }
 
@@ -159,6 +162,8 @@ class ChainGuard:
         self._first_lengths = deque((float(x) for x in state["first_lengths"]), maxlen=REFERENCE_HOPS)
         self._later_ratios = [float(x) for x in state["later_ratios"]]
         self._steps = [float(x) for x in state["steps"]]
+        self._aggregations = int(state["aggregations"])
+        self._start_accuracy = None if state["start_accuracy"] is None else float(state["start_accuracy"])
         self._warned = bool(state["warned"])
 
 
