@@ -34,9 +34,9 @@ Weights = Mapping[str, np.ndarray]
 REFERENCE_HOPS = 10
 # A run whose averaged model, from its STALL_AGGREGATIONS-th aggregation on, scores below
 # STALL_FACTOR times the model it started from (a random model: about chance) has stopped
-# learning through its chains. In the sequential-stability map (digits, 3 seeds) this caught
-# every run that ended near chance (11 of the 23 runs that ended more than 10 points below
-# FedAvg) and none of the 70 others (docs/results.md).
+# learning through its chains. In the sequential-stability map (digits, 3 seeds, 144 FedCat and
+# FedSeq runs) it warned in every run that ended below 0.30 (23 of the 45 that ended more than
+# 10 points below FedAvg) and in 3 of the 99 others (docs/results.md).
 STALL_AGGREGATIONS = 3
 STALL_FACTOR = 1.5
 # Averaging the models of healthy chains does not lose accuracy against the models themselves.
