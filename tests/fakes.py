@@ -12,70 +12,28 @@ reply that never comes (node gone, timeout). Every message the strategy sent is 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 from flwr.app import Message
-from flwr.serverapp import Grid
 
-Handler = Callable[[Message], Message | None]
+from concatfl.bench.inprocess import Handler, InProcessGrid
 
 # Sorted; the first below 2**63, the rest above, like Flower's mix: numpy stores such a mix as
 # float64, so any two of them (the first included) expose code that routes ids through numpy.
 BIG_IDS = [2**62 + 7919] + [2**63 + 7919 * i for i in range(1, 64)]
 
 
-class FakeGrid(Grid):
-    """In-process Grid: `handlers[node_id]` answers each message sent to that node."""
+class FakeGrid(InProcessGrid):
+    """In-process Grid: `handlers[node_id]` answers each message sent to that node; every message
+    sent is kept in `sent`, and each batch in `hops`."""
 
     def __init__(self, handlers: dict[int, Handler]) -> None:
-        self.handlers = dict(handlers)
+        super().__init__(handlers)
         self.sent: list[Message] = []
         self.hops: list[list[Message]] = []
-        self._replies: dict[str, Message] = {}
-
-    def set_run(self, run_id: int) -> None:
-        raise NotImplementedError("not needed in tests")
-
-    @property
-    def run(self):  # type: ignore[override]
-        raise NotImplementedError("not needed in tests")
-
-    def create_message(self, *args, **kwargs) -> Message:  # type: ignore[override]
-        raise NotImplementedError("not needed in tests")
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.handlers)
-
-    def get_nodes(self):  # type: ignore[override]
-        raise NotImplementedError("not needed in tests")
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Give each message an id (as Flower does on push) and answer it at once."""
-        batch = list(messages)
-        for position, message in enumerate(batch, start=len(self.sent)):
-            message.metadata.__dict__["_message_id"] = f"message-{position}"
-        for reply in self._answer(batch):
-            self._replies[reply.metadata.reply_to_message_id] = reply
-        return [message.metadata.message_id for message in batch]
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return [self._replies.pop(message_id) for message_id in list(message_ids) if message_id in self._replies]
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return self._answer(list(messages))
 
     def _answer(self, batch: list[Message]) -> list[Message]:
         self.sent.extend(batch)
         self.hops.append(batch)
-        replies = []
-        for message in batch:
-            handler = self.handlers.get(message.metadata.dst_node_id)
-            if handler is None:
-                raise AssertionError(f"invalid destination node id {message.metadata.dst_node_id}")
-            reply = handler(message)
-            if reply is not None:
-                replies.append(reply)
-        return replies
+        return super()._answer(batch)
 
 
 def reply_with(message: Message, content) -> Message:

@@ -109,7 +109,8 @@ def test_fedavg_rejects_feddyn_with_a_proximal_term():
 def test_fedcat_with_feddyn_corrects_the_copies_average_at_cycle_end():
     nodes = BIG_IDS[:4]
     grid = FakeGrid({node: _additive(node) for node in nodes})
-    strategy = FedCat(k=2, feddyn=FedDynServer(ALPHA), seed=3)
+    # Every reply taken as it is (the paper's FedCat), so the copies are the clients' models.
+    strategy = FedCat(k=2, feddyn=FedDynServer(ALPHA), hop_step=1.0, hop_clip=0.0, check_parts=False, seed=3)
     globals_ = {}
 
     def evaluate_fn(server_round, arrays):

@@ -25,12 +25,13 @@ from ..config import RunConfig
 from ..metrics import read_metrics
 from ..server_app import main as server_main
 
-Handler = Callable[[Message], Message]
+Handler = Callable[[Message], Message | None]  # None: the node never replies
 FIRST_NODE_ID = 1_000  # node ids are arbitrary; partition i runs on node FIRST_NODE_ID + i
 
 
 class InProcessGrid(Grid):
-    """A Grid whose nodes are Python callables answering each message at once."""
+    """A Grid whose nodes are Python callables answering each message at once (a handler that
+    returns None is a node that never replies: the caller's timeout decides)."""
 
     def __init__(self, handlers: Mapping[int, Handler]) -> None:
         self.handlers = dict(handlers)
@@ -75,7 +76,9 @@ class InProcessGrid(Grid):
             handler = self.handlers.get(message.metadata.dst_node_id)
             if handler is None:
                 raise ValueError(f"invalid destination node id {message.metadata.dst_node_id}")
-            replies.append(handler(message))
+            reply = handler(message)
+            if reply is not None:
+                replies.append(reply)
         return replies
 
 

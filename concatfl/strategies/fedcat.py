@@ -103,19 +103,9 @@ class FedCat(RelayStrategy):
         K shrinking) the server applies FedDyn's step with the K copies as its m clients, θ_prev
         the model the cycle started from and the d_i-weighted average as the mean. The average
         reported for a last round inside a cycle is not corrected (h is left for a resumed run).
-    hop_step : float (default: 0.5)
-        η in (0, 1]: the share of each hop's update the server takes; the travelling model moves
-        by s·(returned − sent) with s ≤ η (`concatfl.core.sequential`). 1 with `hop_clip` 0 is
-        the paper's algorithm exactly. See docs/strategies.md, "Sequential training under
-        ordinary client optimizers", for why η = 0.5 is the default.
-    hop_clip : float (default: 1.5)
-        c ≥ 0: a later hop may move the model at most c times the median length of the recent
-        first hops (hops that start from the averaged model); longer hops are scaled down.
-        0: no bound.
-    check_parts : bool (default: True)
-        At each aggregation, also evaluate the averaged models (with `evaluate_fn`) to tell
-        whether their average lost accuracy; one server evaluation per model. The round's
-        ``divergence`` record and the run's one warning come from `ChainGuard.check`.
+    hop_step, hop_clip, check_parts (default: 0.5, 1.5, True)
+        The server's damped (η) and bounded (c) hops and its divergence check: see `ChainGuard`
+        and docs/strategies.md. `hop_step=1, hop_clip=0` is the paper's algorithm exactly.
     fraction_evaluate, round_timeout, seed
         See `RelayStrategy`.
     """

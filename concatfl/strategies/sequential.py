@@ -48,7 +48,8 @@ class ChainGuard:
     strategy : str
         Name used in log messages ("FedCat", "FedSeq", …).
     hop_step : float
-        η in (0, 1]: the largest share of a hop's update the server takes (1: all of it).
+        η in (0, 1]: the share of each hop's update the server takes (1: all of it); the
+        travelling model moves by s·(returned − sent), s ≤ η.
     hop_clip : float
         c ≥ 0: a hop may move the model at most c times the median length of the recent first
         hops (those that start from the averaged model); longer hops are scaled down to that
