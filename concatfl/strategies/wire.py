@@ -21,6 +21,7 @@ from collections.abc import Hashable
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.message import array as flower_array
+from flwr.app.message.arraychunk import ArrayChunk
 from flwr.common.serde_utils import error_to_proto, metadata_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=no-name-in-module
 from flwr.supercore.constant import HEAD_BODY_DIVIDER
@@ -69,7 +70,8 @@ class _Tree:
         for seen, token in candidates:
             if _same_bytes(seen, data):
                 return token
-        token = self.add(("ArrayChunk", data.nbytes, len(candidates)), object_size("ArrayChunk", 0, data.nbytes))
+        size = object_size(ArrayChunk.__qualname__, 0, data.nbytes)
+        token = self.add((ArrayChunk.__qualname__, data.nbytes, len(candidates)), size)
         candidates.append((data, token))
         return token
 
@@ -86,8 +88,8 @@ class _Tree:
             "arraychunk_ids": [unique.index(chunk) for chunk in chunks],
         }
         body = len(json.dumps(metadata).encode("utf-8"))
-        key = ("Array", array.dtype, tuple(array.shape), array.stype, tuple(chunks))
-        return self.add(key, object_size("Array", len(unique), body))
+        key = (Array.__qualname__, array.dtype, tuple(array.shape), array.stype, tuple(chunks))
+        return self.add(key, object_size(Array.__qualname__, len(unique), body))
 
     def references(self, type_name: str, children: dict[str, int]) -> int:
         """An ArrayRecord or RecordDict: a JSON body mapping each name to its child's id."""
@@ -99,7 +101,8 @@ class _Tree:
         """A record of a RecordDict; Config and Metric records have no children and are small,
         so they are deflated as they are."""
         if isinstance(record, ArrayRecord):
-            return self.references("ArrayRecord", {name: self.array(array) for name, array in record.items()})
+            arrays = {name: self.array(array) for name, array in record.items()}
+            return self.references(ArrayRecord.__qualname__, arrays)
         deflated = record.deflate()
         return self.add(deflated, len(deflated))
 
@@ -110,7 +113,7 @@ def message_bytes(message: Message) -> int:
     children = 0
     if message.has_content():
         content: RecordDict = message.content
-        tree.references("RecordDict", {name: tree.record(record) for name, record in content.items()})
+        tree.references(RecordDict.__qualname__, {name: tree.record(record) for name, record in content.items()})
         children = 1
     # Message.deflate()'s body: the metadata without message id, and the error if any.
     metadata = metadata_to_proto(message.metadata)
@@ -118,4 +121,4 @@ def message_bytes(message: Message) -> int:
     body = ProtoMessage(
         metadata=metadata, content=None, error=error_to_proto(message.error) if message.has_error() else None
     ).SerializeToString(deterministic=True)
-    return tree.total + object_size("Message", children, len(body))
+    return tree.total + object_size(Message.__qualname__, children, len(body))
