@@ -63,7 +63,7 @@ def train_handler(message: Message, context: Context) -> Message:
     objective = build_objective(
         settings,
         context.state,
-        received=received_model(message, config),
+        received=lambda: received_model(message, config),
         make_model=lambda: make_model(config, load_data(config)),
         label_counts=data.label_counts(),
         num_examples=len(data.y_train),

@@ -177,7 +177,7 @@ class LocalObjective:
 def build_objective(
     settings: Mapping[str, Any],
     state: RecordDict,
-    received: nn.Module,
+    received: Callable[[], nn.Module],
     make_model: Callable[[], nn.Module],
     label_counts: np.ndarray,
     num_examples: int,
@@ -194,8 +194,10 @@ def build_objective(
         SCAFFOLD ``lr``, ``momentum``, ``batch-size``, ``local-epochs``.
     state : RecordDict
         The client's ``context.state``; read now and written by `finish`.
-    received : nn.Module
-        A frozen copy of the model the message carried (θ_received / x), already on `device`.
+    received : Callable[[], nn.Module]
+        Builds a copy of the model the message carried (θ_received / x). Called only by the
+        objectives that keep one (FedProx's term, FedDyn, MOON, SCAFFOLD), which freeze it and
+        move it to `device`; plain SGD, FedRS and FedLC never build it.
     make_model : Callable[[], nn.Module]
         A fresh model of the run's architecture (MOON rebuilds the previous local model in it).
     label_counts : np.ndarray
@@ -210,23 +212,28 @@ def build_objective(
     name = str(settings["local-objective"])
     if name not in OBJECTIVES:
         raise ValueError(f"unknown local-objective {name!r}; allowed: {', '.join(OBJECTIVES)}")
-    received.to(device).eval().requires_grad_(False)
     mu = float(settings["proximal-mu"])
+
+    def frozen_received() -> nn.Module:
+        return received().to(device).eval().requires_grad_(False)
+
     if control is not None:
         if name != "sgd" or mu > 0:
             raise ValueError("a SCAFFOLD round corrects the gradients itself: use local-objective='sgd', proximal-mu=0")
         steps = local_steps(num_examples, int(settings["batch-size"]), int(settings["local-epochs"]))
-        return _scaffold(state, received, control, steps, float(settings["lr"]), float(settings["momentum"]), device)
+        lr, momentum = float(settings["lr"]), float(settings["momentum"])
+        return _scaffold(state, frozen_received(), control, steps, lr, momentum, device)
     if mu > 0 and name not in ("sgd", "fedprox"):
         raise ValueError(f"proximal-mu > 0 is FedProx's weight; it does not combine with local-objective={name!r}")
     if name == "fedprox" and mu <= 0:
         raise ValueError("local-objective='fedprox' needs proximal-mu > 0")
     if name in ("sgd", "fedprox"):
-        return LocalObjective(name, regularizer=proximal_regularizer(received, mu) if mu > 0 else None)
+        return LocalObjective(name, regularizer=proximal_regularizer(frozen_received(), mu) if mu > 0 else None)
     if name == "feddyn":
-        return _feddyn(state, received, float(settings["feddyn-alpha"]), device)
+        return _feddyn(state, frozen_received(), float(settings["feddyn-alpha"]), device)
     if name == "moon":
-        return _moon(state, received, make_model, float(settings["moon-mu"]), float(settings["moon-tau"]), device)
+        mu_moon, tau = float(settings["moon-mu"]), float(settings["moon-tau"])
+        return _moon(state, frozen_received(), make_model, mu_moon, tau, device)
     if name == "fedrs":
         present = torch.as_tensor(label_counts > 0, device=device)
         alpha = float(settings["fedrs-alpha"])

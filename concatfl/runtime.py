@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, RunConfig
+from .core.concat import ConcatModel, FeatureCache
 from .data.datasets import LoadedData, load_dataset
 from .data.partition import local_split, partition_indices
 from .data.transforms import train_augmentation
@@ -140,6 +141,7 @@ class ServerEnv:
     device: torch.device
     eval_x: torch.Tensor = field(init=False)
     eval_y: torch.Tensor = field(init=False)
+    _concat_features: FeatureCache = field(init=False, default_factory=FeatureCache)
 
     def __post_init__(self) -> None:
         self.eval_x, self.eval_y = self.data.x_test, self.data.y_test
@@ -171,5 +173,13 @@ class ServerEnv:
         self.eval_x, self.eval_y = self.data.x_test[keep], self.data.y_test[keep]
 
     def evaluate(self, model: nn.Module) -> tuple[float, float]:
-        """(loss, accuracy) of `model` on the evaluation set."""
+        """(loss, accuracy) of `model` on the evaluation set.
+
+        A `ConcatModel` (FedConcat) is evaluated as its head on the evaluation set's features,
+        computed once per set of encoders (`FeatureCache`): the same figures, without K encoder
+        passes in every classifier round.
+        """
+        if isinstance(model, ConcatModel):
+            features = self._concat_features.features(model, self.eval_x, self.normalization, self.device)
+            return evaluate(model.classifier, features, self.eval_y, normalization=None, device=self.device)
         return evaluate(model, self.eval_x, self.eval_y, normalization=self.normalization, device=self.device)

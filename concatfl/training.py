@@ -104,17 +104,21 @@ def evaluate(
     x: torch.Tensor,
     y: torch.Tensor,
     *,
-    normalization: Normalization,
+    normalization: Normalization | None,
     device: torch.device,
     batch_size: int = 512,
 ) -> tuple[float, float]:
-    """(mean cross-entropy loss, accuracy) of `model` on (x, y); (0, 0) on an empty set."""
+    """(mean cross-entropy loss, accuracy) of `model` on (x, y); (0, 0) on an empty set.
+
+    `normalization` None feeds `x` as it is (e.g. features computed earlier).
+    """
     if len(x) == 0:
         return 0.0, 0.0
     model.to(device).eval()
     loss_sum, correct = 0.0, 0
     for start in range(0, len(x), batch_size):
-        inputs = normalization(x[start : start + batch_size]).to(device)
+        inputs = x[start : start + batch_size]
+        inputs = (inputs if normalization is None else normalization(inputs)).to(device)
         targets = y[start : start + batch_size].to(device)
         logits = model(inputs)
         loss_sum += float(nn.functional.cross_entropy(logits, targets, reduction="sum"))

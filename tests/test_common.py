@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from concatfl.strategies.common import (
     HopResult,
@@ -257,6 +258,81 @@ def test_message_bytes_counts_the_array_payload():
     (small,) = to_messages(_requests(BIG_IDS[:1], size=1))
     (large,) = to_messages(_requests(BIG_IDS[:1], size=1001))
     assert message_bytes(large) - message_bytes(small) >= 4000
+
+
+def _serialized_size(message: Message) -> int:
+    """What Flower 1.42 ships: every distinct object of the message's tree, deflated."""
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
+
+
+def _model_arrays(seed: int) -> ArrayRecord:
+    """A small CNN-like state: weights, biases and two BatchNorm layers whose equal running
+    statistics (zeros, ones) are one object each on the wire."""
+    rng = np.random.default_rng(seed)
+    arrays = {
+        "conv.weight": rng.normal(size=(8, 3, 3, 3)).astype(np.float32),
+        "conv.bias": rng.normal(size=8).astype(np.float32),
+        "bn1.running_mean": np.zeros(8, np.float32),
+        "bn1.running_var": np.ones(8, np.float32),
+        "bn1.num_batches_tracked": np.array(3, np.int64),
+        "bn2.running_mean": np.zeros(8, np.float32),
+        "bn2.running_var": np.ones(8, np.float32),
+        "bn2.num_batches_tracked": np.array(3, np.int64),
+        "fc.weight": rng.normal(size=(10, 72)).astype(np.float32),
+        "fc.bias": np.zeros(10, np.float64),
+    }
+    return ArrayRecord({key: Array(value) for key, value in arrays.items()})
+
+
+def _message_shapes() -> dict[str, Message]:
+    node = BIG_IDS[3]
+    train = Message(
+        content=train_content(_model_arrays(0), {"lr": 0.05, "local-epochs": 2, "mode": "é", "flag": True}),
+        dst_node_id=node,
+        message_type=MessageType.TRAIN,
+    )
+    model = _model_arrays(1)
+    control = ArrayRecord({key: Array(np.zeros_like(model[key].numpy())) for key in ("conv.weight", "fc.weight")})
+    scaffold = Message(
+        content=RecordDict({"arrays": model, "control": control, "config": ConfigRecord({"lr": 0.1})}),
+        dst_node_id=node,
+        message_type=MessageType.TRAIN,
+    )
+    empty = Message(
+        content=RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord({})}),
+        dst_node_id=node,
+        message_type="train.custom",
+    )
+    # 16 MiB: four of Flower's 5 MiB chunks, the 2nd and 3rd equal (zeros), one object on the wire.
+    large = ArrayRecord({"big": Array(np.zeros(4 * 1024 * 1024, np.float32)), "small": Array(np.arange(5.0))})
+    reply = _content(_model_arrays(2), num_examples=12)
+    reply["extra"] = MetricRecord({"loss": [0.5, 0.25]})
+    return {
+        "train": train,
+        "reply with arrays and metrics": reply_with(train, reply),
+        "scaffold's two ArrayRecords": scaffold,
+        "scaffold's reply": reply_with(scaffold, RecordDict({"arrays": model, "control": control,
+                                                             "metrics": MetricRecord({"num-examples": 4})})),
+        "error reply": Message(Error(code=0, reason="ClientApp raised ValueError: boom"), reply_to=train),
+        "empty arrays": empty,
+        "empty content": Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.EVALUATE),
+        "multi-chunk array": Message(content=RecordDict({"arrays": large}), dst_node_id=node,
+                                     message_type=MessageType.TRAIN),
+    }
+
+
+def test_message_bytes_equals_the_serialized_size():
+    for shape, message in _message_shapes().items():
+        assert message_bytes(message) == _serialized_size(message), shape
+
+
+def test_message_bytes_counts_an_array_shipped_twice_in_one_message_once():
+    arrays = _model_arrays(0)
+    twice = Message(content=RecordDict({"a": arrays, "b": ArrayRecord(dict(arrays.items()))}),
+                    dst_node_id=BIG_IDS[0], message_type=MessageType.TRAIN)
+    once = Message(content=RecordDict({"a": arrays}), dst_node_id=BIG_IDS[0], message_type=MessageType.TRAIN)
+    assert message_bytes(twice) == _serialized_size(twice)
+    assert message_bytes(twice) - message_bytes(once) < 200  # one more reference, not the arrays again
 
 
 # ----------------------------------------------------------------------------- to_messages / nodes

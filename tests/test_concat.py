@@ -11,6 +11,7 @@ from torch import nn
 
 from concatfl.core.concat import (
     ConcatModel,
+    FeatureCache,
     check_head,
     classifier_from_heads,
     concat_state_dict,
@@ -23,7 +24,10 @@ from concatfl.core.concat import (
     split_model,
     train_classifier,
 )
+from concatfl.config import RunConfig
 from concatfl.models import build_model
+from concatfl.runtime import ServerEnv
+from concatfl.training import Normalization, evaluate
 
 
 SHAPE = (1, 8, 8)
@@ -243,3 +247,57 @@ def test_saved_model_loads_back_without_flower(tmp_path):
     assert done.stdout.strip() == "ok"
     model, meta = load_concat_model(path)
     assert meta["input_shape"] == list(SHAPE) and not model.training
+
+
+def _concat(count: int = 2) -> ConcatModel:
+    states = [model.state_dict() for model in cluster_models(count)]
+    concat = ConcatModel.from_factory(make_mlp, count)
+    concat.load_state_dict(concat_state_dict(states, classifier_from_heads(states)))
+    return concat
+
+
+def test_feature_cache_recomputes_only_when_encoders_or_inputs_change():
+    concat, cache = _concat(), FeatureCache()
+    x, other = torch.rand(10, *SHAPE), torch.rand(10, *SHAPE)
+    double = lambda batch: 2 * batch  # noqa: E731  (the normalization stand-in)
+    in_batches = lambda: torch.cat([concat.features(2 * x[i : i + 4]) for i in (0, 4, 8)])  # noqa: E731
+    features = cache.features(concat, x, double, torch.device("cpu"), batch_size=4)
+    assert torch.equal(features, in_batches())
+    with torch.no_grad():
+        concat.classifier.weight.add_(1.0)  # a classifier round: the same encoders
+    assert cache.features(concat, x, double, torch.device("cpu"), batch_size=4) is features
+    with torch.no_grad():
+        next(concat.encoders[1].parameters()).add_(1e-3)  # another encoder round
+    changed = cache.features(concat, x, double, torch.device("cpu"), batch_size=4)
+    assert changed is not features and not torch.equal(changed, features)
+    assert torch.equal(changed, in_batches())
+    assert not torch.equal(cache.features(concat, other, double, torch.device("cpu")), changed)
+
+
+def test_head_on_cached_features_evaluates_exactly_like_the_concat_model():
+    concat, cache = _concat(3), FeatureCache()
+    x, y = torch.rand(23, *SHAPE), torch.randint(0, 10, (23,))
+    normalization = Normalization([0.5], [0.25])
+    cpu = torch.device("cpu")
+    expected = evaluate(concat, x, y, normalization=normalization, device=cpu, batch_size=8)
+    features = cache.features(concat, x, normalization, cpu, batch_size=8)
+    assert evaluate(concat.classifier, features, y, normalization=None, device=cpu, batch_size=8) == expected
+
+
+def test_server_evaluation_of_a_concat_model_reuses_features_across_heads():
+    env = ServerEnv.from_config(RunConfig.from_mapping({"device": "cpu"}))
+    models = [env.make_model() for _ in range(2)]
+    states = [model.state_dict() for model in models]
+    concat = ConcatModel.from_factory(env.make_model, 2)
+    concat.load_state_dict(concat_state_dict(states, classifier_from_heads(states)))
+    encoder_passes = []
+    concat.encoders[0].register_forward_hook(lambda *_: encoder_passes.append(1))
+    for head in range(3):
+        passes = len(encoder_passes)
+        assert env.evaluate(concat) == evaluate(
+            concat, env.eval_x, env.eval_y, normalization=env.normalization, device=env.device
+        )
+        # the first evaluation computes the features, the later ones only run the head
+        assert len(encoder_passes) - passes == (2 if head == 0 else 1)  # + the reference evaluation's one
+        with torch.no_grad():
+            concat.classifier.bias.add_(torch.linspace(-1, 1, 10))

@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from torch import nn
 
 from concatfl.config import RunConfig
 from concatfl.strategies import FedAvg, FedProx, build_strategy
@@ -364,3 +366,25 @@ def test_configure_evaluate_samples_fraction_evaluate():
     assert all(m.metadata.message_type == MessageType.EVALUATE for m in messages)
     assert all(m.content.config_records["config"]["server-round"] == 2 for m in messages)
     assert list(FedAvg(fraction_evaluate=0.0).configure_evaluate(1, INITIAL, ConfigRecord(), _grid(nodes))) == []
+
+
+def test_global_module_is_built_once_and_never_draws_from_torchs_generator():
+    builds = []
+
+    def make_model() -> nn.Module:
+        builds.append(1)
+        return nn.Linear(2, 2)
+
+    strategy = FedAvg()
+    first = ArrayRecord({"weight": Array(np.eye(2, dtype=np.float32)), "bias": Array(np.ones(2, np.float32))})
+    second = ArrayRecord({"weight": Array(2 * np.eye(2, dtype=np.float32)), "bias": Array(np.zeros(2, np.float32))})
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    module = strategy.global_module(first, make_model)
+    assert torch.equal(torch.get_rng_state(), state)  # a resumed run draws what the straight one drew
+    again = strategy.global_module(second, make_model)
+    assert again is module and len(builds) == 1
+    np.testing.assert_array_equal(module.weight.detach().numpy(), 2 * np.eye(2))
+    np.testing.assert_array_equal(module.bias.detach().numpy(), np.zeros(2))
+    strategy.global_module(first, lambda: nn.Linear(2, 2))  # another factory: a module of its own
+    assert strategy.global_module(first, make_model) is not module and len(builds) == 2

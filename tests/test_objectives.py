@@ -62,7 +62,7 @@ def objective_loss(name: str, model: nn.Module, x, y, counts=(16, 1, 0), state=N
     objective = build_objective(
         settings(**{"local-objective": name, **kw}),
         RecordDict() if state is None else state,
-        received=received or Tiny(IDENTITY, HEAD),
+        received=lambda: received or Tiny(IDENTITY, HEAD),
         make_model=lambda: Tiny(IDENTITY, HEAD),
         label_counts=np.array(counts),
         num_examples=len(y),
@@ -172,6 +172,38 @@ def test_fedprox_and_sgd_with_mu_add_the_proximal_term():
     loss, objective = objective_loss("sgd", model, x, y, received=received)
     assert objective.loss is None and objective.regularizer is None
     assert loss == pytest.approx(ce([1.0, 0.0, 1.0], 0), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name, overrides, builds",
+    [
+        ("sgd", {}, 0),
+        ("fedrs", {}, 0),
+        ("fedlc", {}, 0),
+        ("sgd", {"proximal-mu": 0.5}, 1),
+        ("fedprox", {"proximal-mu": 0.5}, 1),
+        ("feddyn", {}, 1),
+        ("moon", {}, 1),
+    ],
+)
+def test_only_objectives_that_keep_the_received_model_build_a_copy_of_it(name, overrides, builds):
+    built = []
+
+    def received() -> nn.Module:
+        built.append(Tiny(IDENTITY, HEAD))
+        return built[-1]
+
+    build_objective(
+        settings(**{"local-objective": name, **overrides}),
+        RecordDict(),
+        received=received,
+        make_model=lambda: Tiny(IDENTITY, HEAD),
+        label_counts=np.array([3, 1, 0]),
+        num_examples=4,
+        device=CPU,
+    )
+    assert len(built) == builds
+    assert all(not p.requires_grad for model in built for p in model.parameters())  # frozen
 
 
 # ---------------------------------------------------------------------- config rules

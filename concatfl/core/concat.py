@@ -6,6 +6,8 @@ only a linear head on their concatenated features. This module is pure torch (pl
 
 * `ConcatModel` — the module: ``forward(x) = classifier([enc_1(x), …, enc_K(x)])``, encoders
   frozen (no gradients, always in eval mode so BatchNorm statistics never move).
+* `FeatureCache` — a fixed input set's concatenated features, recomputed only when the
+  encoders change (the server's evaluation in the classifier rounds).
 * `split_model`, `check_head` — a model as FedConcat sees it: an encoder and a linear head (by
   default ``classifier``, as in `concatfl.models`; any model whose forward ends with a linear
   layer works, named by that layer).
@@ -106,6 +108,57 @@ class ConcatModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of the classifier on the concatenated features."""
         return self.classifier(self.features(x))
+
+
+class FeatureCache:
+    """The concatenated features of one fixed input set under a ConcatModel's encoders,
+    recomputed only when those encoders' weights (or the inputs) change.
+
+    FedConcat's classifier rounds change only the head, so evaluating the global model every
+    round costs one linear layer on cached features instead of K encoder passes. The cache
+    keeps a copy of the encoder weights it was computed with and compares them (exact
+    equality) on every call, so any change of encoders, however the model was built, is seen.
+    """
+
+    def __init__(self) -> None:
+        self._encoders: dict[str, torch.Tensor] = {}
+        self._inputs: torch.Tensor | None = None
+        self._features: torch.Tensor | None = None
+
+    def features(
+        self,
+        model: ConcatModel,
+        x: torch.Tensor,
+        transform: Callable[[torch.Tensor], torch.Tensor],
+        device: torch.device,
+        batch_size: int = 512,
+    ) -> torch.Tensor:
+        """`model.features(transform(batch))` of every `batch_size` batch of `x`, concatenated
+        (on `device`): the same batches a `batch_size` evaluation of `model` would feed it, so
+        a head applied to these batches gives that evaluation's logits exactly."""
+        encoders = model.encoders.state_dict()
+        if self._features is None or not self._computed_with(encoders, x):
+            model.to(device).eval()
+            batches = [
+                model.features(transform(x[start : start + batch_size]).to(device))
+                for start in range(0, len(x), batch_size)
+            ]
+            empty = torch.empty(0, sum(model.feature_dims), device=device)
+            self._features = torch.cat(batches) if batches else empty
+            self._encoders = {key: value.detach().clone() for key, value in encoders.items()}
+            self._inputs = x
+        return self._features
+
+    def _computed_with(self, encoders: StateDict, x: torch.Tensor) -> bool:
+        cached = self._encoders
+        return (
+            x is self._inputs
+            and encoders.keys() == cached.keys()
+            and all(
+                value.shape == cached[key].shape and torch.equal(value.to(cached[key].device), cached[key])
+                for key, value in encoders.items()
+            )
+        )
 
 
 def head_keys(head: str) -> tuple[str, str]:

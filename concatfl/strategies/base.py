@@ -17,11 +17,12 @@ import io
 import itertools
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from logging import INFO
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -87,6 +88,7 @@ class RelayStrategy(Strategy):
         self._pending: list[Request] = []
         self._pending_messages: list[Message] = []
         self._hop_position: tuple[int, int] = (0, 0)
+        self._modules: dict[str, tuple[Hashable, nn.Module]] = {}  # reusable_module's, by slot
 
     # ------------------------------------------------------------------ subclass hooks
     def setup(self, grid: Grid, initial_arrays: ArrayRecord, train_config: ConfigRecord) -> None:
@@ -132,11 +134,29 @@ class RelayStrategy(Strategy):
         """The torch module that `arrays` (the global model this strategy returns) stands for.
 
         Most strategies return the weights of the run's model; FedConcat returns the
-        concatenated-encoder model and overrides this.
+        concatenated-encoder model and overrides this. The module is built once
+        (`reusable_module`) and `arrays` loaded into it: the next call loads its own arrays into
+        the same module, so copy it to keep it.
         """
-        model = make_model()
+        model = self.reusable_module("model", make_model, make_model)
         model.load_state_dict(arrays.to_torch_state_dict())
         return model
+
+    def reusable_module(self, slot: str, factory: Hashable, build: Callable[[], nn.Module]) -> nn.Module:
+        """The module last built in `slot` by `factory`, else a new one from `build()`.
+
+        Evaluating every round then costs no random initialization. `build()` runs outside
+        torch's global random stream, so building a module never moves the run's seeded
+        generator: the run stays reproducible and resume-exact whether or not a module was
+        already there.
+        """
+        cached = self._modules.get(slot)
+        if cached is not None and cached[0] == factory:
+            return cached[1]
+        with torch.random.fork_rng(devices=[]):
+            module = build()
+        self._modules[slot] = (factory, module)
+        return module
 
     # ------------------------------------------------------------------ helpers for subclasses
     def hop(self, grid: Grid, requests: list[Request]) -> HopResult:

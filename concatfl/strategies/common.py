@@ -19,7 +19,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+from .wire import message_bytes
 
 ARRAYS_KEY = "arrays"
 CONFIG_KEY = "config"
@@ -108,15 +109,6 @@ class HopResult:
             "bytes_received": self.bytes_received,
             "seconds": round(self.seconds, 4),
         }
-
-
-def message_bytes(message: Message) -> int:
-    """Bytes of the serialized objects that carry a message (what Flower pushes or pulls).
-
-    Flower 1.42 ships a message as a tree of content-addressed objects; each object's
-    `deflate()` is exactly what goes over the wire, so their sum is the measured size.
-    """
-    return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
 
 
 def reply_problem(
@@ -226,7 +218,8 @@ def relay(grid: Grid, requests: Sequence[Request], timeout: float | None) -> Hop
 
     At most one request per node per hop (replies are matched to requests by node id).
     `timeout` (seconds, None = wait for all) bounds the wait; a reply that does not come in
-    time counts as missing. Bytes are measured on the serialized messages, time on the wall.
+    time counts as missing. Bytes are what Flower ships for the messages (`wire.message_bytes`),
+    time is measured on the wall.
     """
     if not requests:
         return HopResult()

@@ -652,7 +652,10 @@ class FedConcat(RelayStrategy):
         """A ConcatModel for FedConcat's global arrays (the plain model for the initial ones)."""
         if not is_concat_state(arrays.keys()):
             return super().global_module(arrays, make_model)
-        model = ConcatModel.from_factory(make_model, num_encoders(list(arrays.keys())), self.head)
+        count = num_encoders(list(arrays.keys()))
+        model = self.reusable_module(
+            f"concat-{count}", make_model, lambda: ConcatModel.from_factory(make_model, count, self.head)
+        )
         model.load_state_dict(arrays.to_torch_state_dict())
         return model
 
