@@ -100,3 +100,5 @@ def test_the_readme_deployment_block_runs_as_written(tmp_path):
     metrics = read_metrics(tmp_path / "output")
     assert metrics["num_nodes"] == 2 and [r["round"] for r in metrics["rounds"]] == [1, 2]
     assert [r["hops"][0]["replies"] for r in metrics["rounds"]] == [2, 2]
+    # Both SuperNodes answered the identity query: nodes are named by partition id.
+    assert metrics["node_identity"] == {"identified": 2, "late": [], "flower_ids": [], "unanswered": []}
