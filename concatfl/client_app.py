@@ -75,12 +75,13 @@ def train_handler(message: Message, context: Context) -> Message:
         + int(settings.get("chain-pass", 0)) * 10_000_019
         + int(context.node_config["partition-id"])
     )
+    epochs = int(settings["local-epochs"])
     started = time.perf_counter()
     loss = train(
         model,
         data.x_train,
         data.y_train,
-        epochs=int(settings["local-epochs"]),
+        epochs=epochs,
         batch_size=int(settings["batch-size"]),
         lr=float(settings["lr"]),
         momentum=float(settings["momentum"]),
@@ -93,7 +94,12 @@ def train_handler(message: Message, context: Context) -> Message:
         loss_fn=objective.loss,
     )
     metrics = MetricRecord(
-        {"num-examples": len(data.y_train), "train-loss": loss, "train-seconds": time.perf_counter() - started}
+        {
+            "num-examples": len(data.y_train),
+            "train-loss": loss,
+            "train-seconds": time.perf_counter() - started,
+            "local-epochs": epochs,  # lets a strategy check that it got the epochs it asked for
+        }
     )
     # SCAFFOLD's finish replaces "arrays" by the model delta and adds "control".
     extra = objective.finish(model)

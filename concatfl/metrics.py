@@ -3,7 +3,8 @@
 { "run_config": {...}, "strategy": str, "num_nodes": int, "setup": {...strategy's setup report},
   "initial": {"accuracy", "loss"}, "rounds": [{"round", "bytes_sent", "bytes_received", "seconds",
   "hops": [...], "aggregated", "accuracy"?, "loss"?, ...strategy-specific}],
-  "final_accuracy", "final_loss", "total_bytes_sent", "total_bytes_received", "wall_seconds" }
+  "final_accuracy", "final_loss", "total_bytes_sent", "total_bytes_received", "wall_seconds",
+  "node_identity"?: {"identified", "late", "flower_ids", "unanswered"} }
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ def summarize(
     initial: dict[str, float],
     rounds: list[dict[str, Any]],
     wall_seconds: float,
+    node_identity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Assemble the metrics document; the final accuracy is the last evaluated round's."""
+    """Assemble the metrics document; the final accuracy is the last evaluated round's.
+
+    `node_identity` is `StableNodeGrid.identity_report()` (left out when None)."""
     evaluated = [record for record in rounds if "accuracy" in record] or [initial]
-    return {
+    document = {
         "run_config": run_config,
         "strategy": strategy,
         "num_nodes": num_nodes,
@@ -42,6 +46,9 @@ def summarize(
         + setup.get("bytes_received", 0),
         "wall_seconds": round(wall_seconds, 3),
     }
+    if node_identity is not None:
+        document["node_identity"] = node_identity
+    return document
 
 
 def write_metrics(output_dir: str | os.PathLike, document: dict[str, Any]) -> Path:

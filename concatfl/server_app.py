@@ -47,7 +47,7 @@ def main(grid: Grid, context: Context) -> None:
     torch.manual_seed(config.seed)
     env = ServerEnv.from_config(config)
     strategy = build_strategy(config, env)
-    grid = StableNodeGrid(grid)
+    grid = StableNodeGrid(grid, identify_timeout=config.timeout)
     num_nodes = wait_for_nodes(grid, config.min_available_nodes)
 
     initial_arrays = ArrayRecord(env.make_model().state_dict())
@@ -95,6 +95,7 @@ def main(grid: Grid, context: Context) -> None:
         initial_metrics(result),
         strategy.history,
         earlier_seconds + time.perf_counter() - started,
+        grid.identity_report(),
     )
     path = write_metrics(config.output_dir, document)
     log(INFO, "final accuracy %.4f; metrics written to %s", document["final_accuracy"], path)

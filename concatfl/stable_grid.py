@@ -8,10 +8,16 @@ cannot be matched to the nodes of a later run.
 
 This Grid wraps Flower's and presents each node as its *stable id*: the node's `partition-id`,
 which concatfl's ClientApp reports in answer to an identity query (asked once per new node).
-A node that does not answer it (an ordinary ClientApp without that query, an error, a timeout)
-keeps its Flower node id. When a restarted SuperNode reports a partition that another, older
-node id still holds (Flower lists a dead node as online for up to two heartbeats), the newer
-node takes the stable id and the older one is hidden.
+A node whose ClientApp answers without a partition-id (an ordinary ClientApp without that
+query answers with an error) keeps its Flower node id. A node that has not answered yet is not
+listed: `get_node_ids` waits up to `identify_timeout` for a new node's answer, and a node that
+answers later (a loaded machine) is identified and listed from the first call after its answer
+came. When Flower reports the query itself lost (the node went offline, the message expired,
+the ClientApp process crashed), the node is asked again at the next call. When a restarted
+SuperNode reports a partition that another, older node id still holds (Flower lists a dead node
+as online for up to two heartbeats), the newer node takes the stable id and the older one is
+hidden. `identity_report()` says which nodes were identified late, kept their Flower ids, or
+never answered (metrics.json's `node_identity`).
 
 It also polls for replies every `pull_interval` seconds: Flower 1.42's Grid sleeps 3 s between
 pulls, on average 1.5 s lost per hop, which FedSeq pays again at every hop of its chains.
@@ -21,14 +27,33 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from logging import WARNING
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from typing import Any
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
 IDENTITY_QUERY = "identity"
 PARTITION_ID_KEY = "partition-id"
+# Errors that say the query or its reply was lost on the way, not what the ClientApp answered.
+LOST_QUERY_ERRORS = (
+    ErrorCode.MESSAGE_UNAVAILABLE,
+    ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
+    ErrorCode.NODE_UNAVAILABLE,
+    ErrorCode.CLIENT_APP_CRASHED,
+)
+
+
+@dataclass
+class _Query:
+    """An identity query whose answer has not come yet."""
+
+    node_id: int
+    deadline: float | None  # until when `get_node_ids` waits for it (None: no limit)
+    late: bool = False  # a call already gave up waiting for it
 
 
 class StableNodeGrid(Grid):
@@ -38,33 +63,73 @@ class StableNodeGrid(Grid):
     ----------
     grid : Grid
         Flower's Grid, which every call is forwarded to.
-    identify_timeout : float (default: 120.0)
-        Seconds to wait for new nodes' answers to the identity query.
+    identify_timeout : float | None (default: 120.0)
+        Seconds `get_node_ids` waits for a new node's answer to the identity query (concatfl's
+        ServerApp passes `round-timeout`); None waits until every node has answered. A node
+        that answers later is identified when its answer comes; until then it is not listed.
     pull_interval : float (default: 0.1)
-        Seconds between two pulls for replies in `send_and_receive`.
+        Seconds between two pulls for replies in `send_and_receive` and while identifying.
     """
 
-    def __init__(self, grid: Grid, identify_timeout: float = 120.0, pull_interval: float = 0.1) -> None:
+    def __init__(self, grid: Grid, identify_timeout: float | None = 120.0, pull_interval: float = 0.1) -> None:
         self.grid = grid
         self.identify_timeout = identify_timeout
         self.pull_interval = pull_interval
         self._stable_of: dict[int, int] = {}  # Flower node id -> stable id
         self._flower_of: dict[int, int] = {}  # stable id -> the Flower node id that serves it
+        self._queries: dict[str, _Query] = {}  # message id -> identity query not answered yet
+        self._late: set[int] = set()  # stable ids of nodes identified after a call gave up on them
 
     # ------------------------------------------------------------------ node ids
     def get_node_ids(self) -> Iterable[int]:
-        """Stable ids of the connected nodes (new nodes are identified first)."""
+        """Stable ids of the connected, identified nodes (new nodes are asked first; see
+        `identify_timeout`)."""
         connected = [int(node_id) for node_id in self.grid.get_node_ids()]
-        self._identify([node_id for node_id in connected if node_id not in self._stable_of])
+        self._identify(connected)
         return sorted(
-            stable for node_id in connected if self._flower_of.get(stable := self._stable_of[node_id]) == node_id
+            stable
+            for node_id in connected
+            if node_id in self._stable_of and self._flower_of.get(stable := self._stable_of[node_id]) == node_id
         )
 
     def identities(self) -> dict[int, int]:
         """Stable id -> current Flower node id, for every node identified so far."""
         return dict(self._flower_of)
 
-    def _identify(self, node_ids: list[int]) -> None:
+    def identity_report(self) -> dict[str, Any]:
+        """JSON-ready: how many nodes were identified by partition id, which of them only after
+        a wait had given up on them (`late`, stable ids), which kept their Flower ids (answered
+        without a partition-id) and which never answered (`unanswered`, Flower ids, not used)."""
+        return {
+            "identified": sum(1 for node_id, stable in self._stable_of.items() if stable != node_id),
+            "late": sorted(self._late),
+            "flower_ids": sorted(node_id for node_id, stable in self._stable_of.items() if stable == node_id),
+            "unanswered": sorted({query.node_id for query in self._queries.values()}),
+        }
+
+    def _identify(self, connected: list[int]) -> None:
+        """Ask new nodes (and nodes whose query was lost) for their partition, then take the
+        answers that come while any query is within its wait (at least one pull)."""
+        live = set(connected)
+        self._queries = {mid: query for mid, query in self._queries.items() if query.node_id in live}
+        waiting = {query.node_id for query in self._queries.values()}
+        self._ask([node for node in connected if node not in self._stable_of and node not in waiting])
+        while self._queries:
+            for reply in self.grid.pull_messages(list(self._queries)):
+                query = self._queries.pop(reply.metadata.reply_to_message_id, None)
+                if query is not None:
+                    self._absorb(query, reply)
+            now = time.monotonic()
+            if not any(query.deadline is None or now < query.deadline for query in self._queries.values()):
+                break
+            time.sleep(self.pull_interval)
+        for query in self._queries.values():
+            if not query.late:
+                query.late = True
+                log(WARNING, "Node %s has not answered the identity query yet; it is not used until it does",
+                    query.node_id)
+
+    def _ask(self, node_ids: list[int]) -> None:
         if not node_ids:
             return
         messages = [
@@ -75,29 +140,34 @@ class StableNodeGrid(Grid):
             )
             for node_id in node_ids
         ]
-        replies = self._push_and_pull(messages, self.identify_timeout)
-        # Flower sets message ids on push; a reply is matched by the id it answers, else by its source.
-        asked = {m.metadata.message_id: node_id for m, node_id in zip(messages, node_ids) if m.metadata.message_id}
-        answers: dict[int, int] = {}
-        for reply in replies:
-            node_id = asked.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
-            partition = _reported_partition(reply)
-            if partition is not None:
-                answers[node_id] = partition
-        for node_id in node_ids:
-            stable = answers.get(node_id, node_id)
-            if node_id not in answers:
-                log(WARNING, "Node %s did not report a partition-id; it keeps its Flower node id", node_id)
-            previous = self._flower_of.get(stable)
-            if previous is not None and previous != node_id:
-                log(
-                    WARNING,
-                    "Partition %s is now served by node %s; node %s, which served it, is hidden "
-                    "(a restarted SuperNode, or two SuperNodes configured with the same partition-id)",
-                    stable, node_id, previous,
-                )
-            self._stable_of[node_id] = stable
-            self._flower_of[stable] = node_id
+        deadline = None if self.identify_timeout is None else time.monotonic() + self.identify_timeout
+        for message_id, node_id in zip(self.grid.push_messages(messages), node_ids):
+            if message_id:
+                self._queries[message_id] = _Query(node_id, deadline)
+
+    def _absorb(self, query: _Query, reply: Message) -> None:
+        """Take one node's answer: its partition, its Flower id, or (lost query) nothing yet."""
+        node_id = query.node_id
+        if reply.has_error() and reply.error.code in LOST_QUERY_ERRORS:
+            log(WARNING, "Identity query to node %s was lost (%s); asking again", node_id, reply.error.reason)
+            return  # not identified: the next `get_node_ids` asks again
+        partition = _reported_partition(reply)
+        stable = node_id if partition is None else partition
+        if partition is None:
+            log(WARNING, "Node %s did not report a partition-id; it keeps its Flower node id", node_id)
+        elif query.late:
+            self._late.add(stable)
+            log(INFO, "Node %s answered the identity query late: partition %s", node_id, stable)
+        previous = self._flower_of.get(stable)
+        if previous is not None and previous != node_id:
+            log(
+                WARNING,
+                "Partition %s is now served by node %s; node %s, which served it, is hidden "
+                "(a restarted SuperNode, or two SuperNodes configured with the same partition-id)",
+                stable, node_id, previous,
+            )
+        self._stable_of[node_id] = stable
+        self._flower_of[stable] = node_id
 
     # ------------------------------------------------------------------ messages
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:

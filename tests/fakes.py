@@ -4,17 +4,19 @@ Real Flower node ids are unsigned 64-bit numbers, many above 2**63: tests should
 (see `BIG_IDS`) so that code which pushes node ids through numpy (and loses digits) fails here.
 A message to a node the grid does not know raises, as Flower logs "Invalid destination node ID".
 
-Each node is a Python callable `handler(message) -> Message | None`; returning None simulates a
-reply that never comes (node gone, timeout). Every message the strategy sent is kept in `sent`.
-`send_and_receive` returns at once; with `push_messages`/`pull_messages` (what concatfl's
-`StableNodeGrid` uses) a missing reply is awaited until the caller's timeout, as in Flower.
+Each node is a Python callable `handler(message) -> Message | Later | None`; returning None
+simulates a reply that never comes (node gone, timeout). Every message the strategy sent is kept
+in `sent`. `send_and_receive` returns at once; with `push_messages`/`pull_messages` (what
+concatfl's `StableNodeGrid` uses) a missing reply is awaited until the caller's timeout, as in
+Flower, and a `Later(reply, seconds)` is pulled only once that many seconds have passed since
+the push (a slow node).
 """
 
 from __future__ import annotations
 
 from flwr.app import Message
 
-from concatfl.bench.inprocess import Handler, InProcessGrid
+from concatfl.bench.inprocess import Handler, InProcessGrid, Later  # noqa: F401  (Later: for the tests)
 
 # Sorted; the first below 2**63, the rest above, like Flower's mix: numpy stores such a mix as
 # float64, so any two of them (the first included) expose code that routes ids through numpy.
@@ -30,7 +32,7 @@ class FakeGrid(InProcessGrid):
         self.sent: list[Message] = []
         self.hops: list[list[Message]] = []
 
-    def _answer(self, batch: list[Message]) -> list[Message]:
+    def _answer(self, batch: list[Message]) -> list[Message | Later]:
         self.sent.extend(batch)
         self.hops.append(batch)
         return super()._answer(batch)

@@ -17,6 +17,7 @@ from concatfl.bench import BenchError, get_suite, run_suite, write_report
 from concatfl.bench.__main__ import main
 from concatfl.bench.columns import FINAL_ACCURACY_PERCENT, TOTAL_MEGABYTES
 from concatfl.bench.data import Subsample, describe, write_subsample
+from concatfl.bench.report import curve_figure, load_runs, mean_curve, plot_curves
 from concatfl.bench.runner import cell_config
 from concatfl.bench.suites import BLUEPRINTS, SCALES, SUITE_NAMES, Cell, Setting, Suite
 from concatfl.config import RunConfig
@@ -109,6 +110,31 @@ def test_table_is_mean_and_sample_std_over_seeds_with_partial_cells_marked(tmp_p
     plots = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert plots == ["accuracy-vs-mb-a.png", "accuracy-vs-round-a.png"]  # setting b has no runs
     assert (tmp_path / "plots" / "accuracy-vs-mb-a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_show_the_mean_over_seeds_with_a_std_band_and_keep_coinciding_curves_apart(tmp_path):
+    suite = tiny_suite()
+    for seed, accuracies in enumerate([[0.3, 0.5], [0.5, 0.7]]):
+        write_run(tmp_path, suite.cell(A, "FedAvg"), seed, accuracies)
+        write_run(tmp_path, suite.cell(A, "FedCat"), seed, accuracies)  # the very same curve
+    runs = load_runs(suite, [0, 1], tmp_path)
+    curve = mean_curve(runs[("a", "FedAvg")])
+    assert [(p.round, p.megabytes) for p in curve] == [(0, 0.0), (1, 2.0), (2, 4.0)]
+    assert [p.accuracy for p in curve] == pytest.approx([0.1, 0.4, 0.6])
+    assert [p.accuracy_std for p in curve] == pytest.approx([0.0, 0.1414214, 0.1414214])
+
+    written = plot_curves(suite, runs, tmp_path / "plots")
+    assert sorted(p.name for p in written) == ["accuracy-vs-mb-a.png", "accuracy-vs-round-a.png"]
+    assert all(path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for path in written)
+    lines = {method: mean_curve(runs[("a", method)]) for method in ("FedAvg", "FedCat")}
+    axes = curve_figure(lines, {"FedAvg": 2, "FedCat": 2}, False, "tiny").axes[0]
+    drawn = axes.get_lines()
+    assert [line.get_label() for line in drawn] == ["FedAvg (n=2)", "FedCat (n=2)"]
+    assert len({(line.get_marker(), line.get_linestyle(), line.get_markersize()) for line in drawn}) == 2
+    assert len(axes.collections) == 2  # one ±1 std band per method
+    band = axes.collections[0].get_paths()[0].vertices
+    assert band[:, 1].min() == pytest.approx(10.0)  # round 0: both seeds start at 10 %, no spread
+    assert band[:, 1].max() == pytest.approx(100 * (0.6 + 0.1414214))
 
 
 class FakeSimulation:

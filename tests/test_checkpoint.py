@@ -191,6 +191,7 @@ def test_a_stopped_and_resumed_run_ends_with_the_uninterrupted_model(tmp_path, m
     assert resumed_metrics["initial"] == straight_metrics["initial"]
     assert resumed_metrics["final_accuracy"] == straight_metrics["final_accuracy"]
     assert _without_timings(resumed_metrics["setup"]) == _without_timings(straight_metrics["setup"])
+    assert resumed_metrics["node_identity"]["unanswered"] == resumed_metrics["node_identity"]["flower_ids"] == []
 
 
 def _without_timings(record):

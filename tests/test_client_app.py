@@ -81,6 +81,7 @@ def test_train_metrics_num_examples_is_the_local_train_split_and_loss_finite():
     data = _local_data()
     assert metrics["num-examples"] == len(data.y_train) > 0
     assert math.isfinite(metrics["train-loss"]) and metrics["train-loss"] > 0
+    assert _train({"server-round": 1, "local-epochs": 2}).content.metric_records["metrics"]["local-epochs"] == 2
 
 
 def test_train_is_deterministic_for_the_same_round_and_partition():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -213,12 +214,51 @@ def test_clf_approximator_reduces_the_fc_weights_with_pca():
     assert sorted(n for e in record["superclients"] for n in e["nodes"]) == list(range(1, 9))
 
 
+def test_without_server_data_the_default_approximator_reads_the_classifier_weights():
+    fedseq = FedSeq(make_model, NUM_CLASSES, min_samples=40, pretrain_epochs=PRETRAIN_EPOCHS)
+    assert (fedseq.approximator, fedseq.metric) == ("clf", "cosine")
+    run(fedseq, clients_for(8), 1)
+    record = fedseq.setup_record
+    assert record["approximator"] == "clf" and "exemplars" not in record
+    assert sorted(n for e in record["superclients"] for n in e["nodes"]) == list(range(1, 9))
+    assert (strategy().approximator, strategy().metric) == ("conf", "kl")  # with a pool: the paper's best
+
+
+class EpochCountingClient(Client):
+    """A client that reports the epochs it trained: its own count (`own_epochs`) or, when None,
+    the ``config["local-epochs"]`` it was sent."""
+
+    def __init__(self, node: int, label: int, own_epochs: int | None) -> None:
+        super().__init__(node, label)
+        self.own_epochs = own_epochs
+
+    def __call__(self, message: Message) -> Message | None:
+        reply = super().__call__(message)
+        epochs = self.own_epochs if self.own_epochs is not None else self.configs[-1]["local-epochs"]
+        reply.content.metric_records["metrics"]["local-epochs"] = epochs
+        return reply
+
+
+def test_pretraining_records_the_reported_epochs_and_warns_when_they_differ(caplog):
+    clients = {k: EpochCountingClient(k, (k - 1) % NUM_CLASSES, 1 if k in (2, 5) else None) for k in range(1, 8)}
+    clients[8] = Client(8, 3)  # reports nothing
+    fedseq = strategy()
+    with caplog.at_level("WARNING"):
+        fedseq.setup(FakeGrid(clients), initial_arrays(), ConfigRecord({"local-epochs": 1}))
+    record = fedseq.setup_record
+    assert record["pretrain_epochs"] == PRETRAIN_EPOCHS
+    assert record["pretrain_epochs_reported"] == {k: 1 if k in (2, 5) else PRETRAIN_EPOCHS for k in range(1, 8)}
+    assert record["pretrain_epochs_differ"] == [2, 5]
+    assert "nodes [2, 5] report [1, 1]" in caplog.text
+    assert json.loads(json.dumps(record, default=str))["pretrain_epochs_differ"] == [2, 5]
+
+
 def test_bad_combinations_are_rejected_before_training():
     with pytest.raises(ValueError, match="needs approximator 'conf'"):
         strategy(approximator="clf", metric="kl")
     strategy(approximator="clf", metric="kl", grouping="kmeans")  # kmeans uses no metric
     with pytest.raises(ValueError, match="exemplar_pool"):
-        FedSeq(make_model, NUM_CLASSES)
+        FedSeq(make_model, NUM_CLASSES, approximator="conf")
     with pytest.raises(ValueError, match="grouping"):
         strategy(grouping="spectral")
 

@@ -92,3 +92,10 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_path):
     assert read_metrics(tmp_path) == {"final_accuracy": 0.1}
     # NamedTemporaryFile(delete=False) is never removed when json.dump raises.
     assert [p.name for p in tmp_path.iterdir()] == [METRICS_FILE]
+
+
+def test_the_node_identity_report_is_kept_when_given():
+    assert "node_identity" not in _summary([_round(1, 10, 5, 0.5)])
+    report = {"identified": 3, "late": [2], "flower_ids": [], "unanswered": [2**63 + 1]}
+    document = summarize({}, "FedAvg", 4, {}, INITIAL, [_round(1, 10, 5, 0.5)], 1.0, report)
+    assert document["node_identity"] == report

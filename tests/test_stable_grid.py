@@ -7,24 +7,31 @@ import time
 
 import pytest
 from flwr.app import Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 
 from concatfl.stable_grid import StableNodeGrid
 
-from .fakes import BIG_IDS, FakeGrid, reply_with
+from .fakes import BIG_IDS, FakeGrid, Later, reply_with
 
 
-def _identity_node(partition: int | None):
+def _identity_node(partition: int | None, answer_after: float = 0.0):
     """A node answering the identity query with `partition` (None: an ordinary ClientApp
-    without that query, which answers with an error)."""
+    without that query, which answers with an error), `answer_after` seconds after it was asked."""
 
-    def handle(message: Message) -> Message:
+    def handle(message: Message) -> Message | Later:
         if message.metadata.message_type != MessageType.QUERY:
             return reply_with(message, RecordDict({"metrics": MetricRecord({"num-examples": 1})}))
         if partition is None:
-            return Message(error=Error(code=0, reason="no query handler"), reply_to=message)
-        return reply_with(message, RecordDict({"metrics": MetricRecord({"partition-id": partition})}))
+            return Message(error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="no query handler"),
+                           reply_to=message)
+        reply = reply_with(message, RecordDict({"metrics": MetricRecord({"partition-id": partition})}))
+        return Later(reply, answer_after) if answer_after else reply
 
     return handle
+
+
+def _silent(message: Message) -> None:
+    return None
 
 
 def test_nodes_appear_under_their_partition_ids_and_messages_reach_them():
@@ -64,3 +71,61 @@ def test_replies_are_polled_until_the_timeout_and_a_missing_one_is_left_out():
     assert 0.5 <= time.monotonic() - started < 2.0
     assert [reply.metadata.src_node_id for reply in replies] == [0]
 
+
+
+def test_a_node_answering_within_the_limit_is_waited_for():
+    fake = FakeGrid({BIG_IDS[1]: _identity_node(0), BIG_IDS[2]: _identity_node(1, answer_after=0.4)})
+    grid = StableNodeGrid(fake, identify_timeout=5.0, pull_interval=0.05)
+    started = time.monotonic()
+    assert list(grid.get_node_ids()) == [0, 1]
+    assert 0.4 <= time.monotonic() - started < 2.0
+    assert grid.identity_report() == {"identified": 2, "late": [], "flower_ids": [], "unanswered": []}
+
+
+def test_a_late_node_is_left_out_until_it_answers_then_identified_without_being_asked_again():
+    fake = FakeGrid({BIG_IDS[1]: _identity_node(0), BIG_IDS[2]: _identity_node(1, answer_after=0.8)})
+    grid = StableNodeGrid(fake, identify_timeout=0.2, pull_interval=0.05)
+    started = time.monotonic()
+    assert list(grid.get_node_ids()) == [0]  # node 1 is not used under its Flower id meanwhile
+    assert 0.2 <= time.monotonic() - started < 0.7
+    assert grid.identity_report()["unanswered"] == [BIG_IDS[2]]
+    assert list(grid.get_node_ids()) == [0]  # still not answered: one pull, no wait, no new query
+    assert time.monotonic() - started < 0.7
+    time.sleep(0.9)
+    assert list(grid.get_node_ids()) == [0, 1]
+    assert grid.identities() == {0: BIG_IDS[1], 1: BIG_IDS[2]}
+    queries = [m for m in fake.sent if m.metadata.message_type == MessageType.QUERY]
+    assert len(queries) == 2  # each node was asked once
+    assert grid.identity_report() == {"identified": 2, "late": [1], "flower_ids": [], "unanswered": []}
+
+
+def test_nodes_that_never_answer_or_answer_without_a_partition_are_reported():
+    fake = FakeGrid({BIG_IDS[1]: _identity_node(0), BIG_IDS[2]: _silent, BIG_IDS[3]: _identity_node(None)})
+    grid = StableNodeGrid(fake, identify_timeout=0.2, pull_interval=0.05)
+    assert list(grid.get_node_ids()) == [0, BIG_IDS[3]]
+    report = grid.identity_report()
+    assert report == {"identified": 1, "late": [], "flower_ids": [BIG_IDS[3]], "unanswered": [BIG_IDS[2]]}
+    del fake.handlers[BIG_IDS[2]]  # the silent node disconnects: no longer reported as waiting
+    list(grid.get_node_ids())
+    assert grid.identity_report()["unanswered"] == []
+
+
+def test_a_lost_identity_query_is_asked_again():
+    answers = iter(["lost", "partition"])
+
+    def flaky(message: Message) -> Message:
+        if next(answers) == "lost":  # as the SuperLink answers for a node that went away meanwhile
+            return Message(error=Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node unavailable"), reply_to=message)
+        return reply_with(message, RecordDict({"metrics": MetricRecord({"partition-id": 4})}))
+
+    fake = FakeGrid({BIG_IDS[1]: _identity_node(0), BIG_IDS[2]: flaky})
+    grid = StableNodeGrid(fake, identify_timeout=1.0, pull_interval=0.05)
+    assert list(grid.get_node_ids()) == [0]
+    assert list(grid.get_node_ids()) == [0, 4]
+    assert grid.identity_report()["flower_ids"] == []
+
+
+def test_without_a_limit_every_answer_is_awaited():
+    fake = FakeGrid({BIG_IDS[1]: _identity_node(0, answer_after=0.3), BIG_IDS[2]: _identity_node(1, answer_after=0.5)})
+    grid = StableNodeGrid(fake, identify_timeout=None, pull_interval=0.05)
+    assert list(grid.get_node_ids()) == [0, 1]

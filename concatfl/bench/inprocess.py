@@ -11,7 +11,9 @@ those of a `flwr run` simulation of the same run config; wall times exclude Flow
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +27,29 @@ from ..config import RunConfig
 from ..metrics import read_metrics
 from ..server_app import main as server_main
 
-Handler = Callable[[Message], Message | None]  # None: the node never replies
+
+
+@dataclass
+class Later:
+    """A reply that can be pulled only `seconds` after its message was pushed (a slow node)."""
+
+    reply: Message
+    seconds: float
+
+
+Handler = Callable[[Message], Message | Later | None]  # None: the node never replies
 FIRST_NODE_ID = 1_000  # node ids are arbitrary; partition i runs on node FIRST_NODE_ID + i
 
 
 class InProcessGrid(Grid):
-    """A Grid whose nodes are Python callables answering each message at once (a handler that
-    returns None is a node that never replies: the caller's timeout decides)."""
+    """A Grid whose nodes are Python callables answering each message at once. A handler that
+    returns None is a node that never replies (the caller's timeout decides); one that returns
+    `Later(reply, seconds)` a node whose reply can be pulled only that long after the push."""
 
     def __init__(self, handlers: Mapping[int, Handler]) -> None:
         self.handlers = dict(handlers)
-        self._replies: dict[str, Message] = {}
-        self._sent = 0
+        self._replies: dict[str, tuple[float, Message]] = {}  # message id -> (pullable from, reply)
+        self._pushed = 0
 
     def set_run(self, run_id: int) -> None:
         raise NotImplementedError("an in-process grid serves one run")
@@ -55,31 +68,36 @@ class InProcessGrid(Grid):
         raise NotImplementedError("use get_node_ids")
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Give each message an id (as Flower does on push) and answer it at once."""
+        """Give each message an id (as Flower does on push) and answer it (a `Later` reply is
+        held back for its seconds)."""
         batch = list(messages)
         for message in batch:
-            self._sent += 1
-            message.metadata.__dict__["_message_id"] = f"message-{self._sent}"
-        for reply in self._answer(batch):
-            self._replies[reply.metadata.reply_to_message_id] = reply
+            message.metadata.__dict__["_message_id"] = f"message-{self._pushed}"
+            self._pushed += 1
+        now = time.monotonic()
+        for answer in self._answer(batch):
+            reply, delay = (answer.reply, answer.seconds) if isinstance(answer, Later) else (answer, 0.0)
+            self._replies[reply.metadata.reply_to_message_id] = (now + delay, reply)
         return [message.metadata.message_id for message in batch]
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return [self._replies.pop(message_id) for message_id in list(message_ids) if message_id in self._replies]
+        now = time.monotonic()
+        ready = [mid for mid in message_ids if mid in self._replies and self._replies[mid][0] <= now]
+        return [self._replies.pop(message_id)[1] for message_id in ready]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return self._answer(list(messages))
+        return [answer.reply if isinstance(answer, Later) else answer for answer in self._answer(list(messages))]
 
-    def _answer(self, batch: list[Message]) -> list[Message]:
-        replies = []
+    def _answer(self, batch: list[Message]) -> list[Message | Later]:
+        answers = []
         for message in batch:
             handler = self.handlers.get(message.metadata.dst_node_id)
             if handler is None:
                 raise ValueError(f"invalid destination node id {message.metadata.dst_node_id}")
-            reply = handler(message)
-            if reply is not None:
-                replies.append(reply)
-        return replies
+            answer = handler(message)
+            if answer is not None:
+                answers.append(answer)
+        return answers
 
 
 def client_node(run_config: dict[str, Any], partition_id: int, num_partitions: int) -> Handler:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from ..metrics import METRICS_FILE, read_metrics
 from .columns import Column, Metrics, best_accuracy, curve, rounds_to
@@ -228,37 +229,85 @@ def _number(value: float | None) -> str:
     return "" if value is None else f"{value:.10g}"
 
 
-def mean_curve(metrics: Sequence[Metrics]) -> list[tuple[int, float, float]]:
-    """(round, MB, accuracy) averaged over runs, at the rounds every run evaluated."""
+@dataclass(frozen=True)
+class CurvePoint:
+    """One point of a method's curve over seeds: round, mean cumulative MB, accuracy mean ± std."""
+
+    round: int
+    megabytes: float
+    accuracy: float
+    accuracy_std: float
+
+
+def mean_curve(metrics: Sequence[Metrics]) -> list[CurvePoint]:
+    """The runs' accuracy (mean and sample std) and MB (mean) at the rounds every run evaluated."""
     curves = [{r: (mb, acc) for r, mb, acc in curve(m)} for m in metrics]
     common = sorted(set.intersection(*(set(c) for c in curves)))
-    return [
-        (r, statistics.fmean(c[r][0] for c in curves), statistics.fmean(c[r][1] for c in curves)) for r in common
-    ]
+    points = []
+    for r in common:
+        accuracy, std = mean_std([c[r][1] for c in curves])
+        points.append(CurvePoint(r, statistics.fmean(c[r][0] for c in curves), accuracy, std))
+    return points
+
+
+# Each method gets its own hollow marker, line style and (shrinking) marker size, and in the
+# accuracy-vs-round view a small sideways offset, so curves that coincide (e.g. two methods that
+# both stall at one accuracy) stay visible side by side.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINE_STYLES = ("-", "--", "-.", ":")
+ROUND_OFFSET = 0.06  # rounds between neighbouring methods' points
+
+
+def curve_figure(lines: dict[str, list[CurvePoint]], seeds: dict[str, int], by_megabytes: bool, title: str) -> Figure:
+    """Accuracy vs round (or vs MB): per method the mean over its seeds, with a band of ±1 std."""
+    figure = Figure(figsize=(7, 4.5), layout="constrained")
+    FigureCanvasAgg(figure)  # Agg, without pyplot's global state
+    axes = figure.add_subplot()
+    for index, (method, points) in enumerate(lines.items()):
+        offset = 0.0 if by_megabytes else (index - (len(lines) - 1) / 2) * ROUND_OFFSET
+        x = [p.megabytes if by_megabytes else p.round + offset for p in points]
+        mean = [100 * p.accuracy for p in points]
+        std = [100 * p.accuracy_std for p in points]
+        (line,) = axes.plot(
+            x,
+            mean,
+            linestyle=LINE_STYLES[index % len(LINE_STYLES)],
+            marker=MARKERS[index % len(MARKERS)],
+            markersize=max(3.0, 9.0 - 1.5 * index),
+            markerfacecolor="none",
+            label=f"{method} (n={seeds[method]})",
+        )
+        if seeds[method] > 1:
+            lower = [m - s for m, s in zip(mean, std)]
+            upper = [m + s for m, s in zip(mean, std)]
+            axes.fill_between(x, lower, upper, color=line.get_color(), alpha=0.15, linewidth=0)
+    x_label = "measured MB (down+up, cumulative; mean over seeds)" if by_megabytes else "round"
+    axes.set(xlabel=x_label, ylabel="accuracy (%)", title=title)
+    if not by_megabytes:
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.text(0.01, 0.99, "lines: mean over seeds (n); bands: ±1 std", transform=axes.transAxes,
+              fontsize="small", va="top")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small", loc="lower right")
+    return figure
 
 
 def plot_curves(suite: Suite, runs: Runs, directory: Path) -> list[Path]:
-    """Per setting: accuracy vs round and accuracy vs measured MB, one line per method (mean over seeds)."""
+    """Per setting: accuracy vs round and accuracy vs measured MB, one line per method (mean
+    over seeds, a shaded band of ±1 sample std)."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for setting in suite.settings:
-        lines = {m: mean_curve(runs[(setting.name, m)]) for m in suite.methods if runs.get((setting.name, m))}
-        if not lines:
+        finished = {m: runs[(setting.name, m)] for m in suite.methods if runs.get((setting.name, m))}
+        if not finished:
             continue
+        lines = {method: mean_curve(metrics) for method, metrics in finished.items()}
+        seeds = {method: len(metrics) for method, metrics in finished.items()}
         suffix = f"-{setting.name}" if setting.name else ""
         title = f"{suite.name} ({suite.scale})" + (f", {setting.label}" if setting.label else "")
-        views = ((0, "round", "accuracy-vs-round"), (1, "measured MB (down+up, cumulative)", "accuracy-vs-mb"))
-        for x_index, x_label, stem in views:
-            figure = Figure(figsize=(7, 4.5), layout="constrained")
-            FigureCanvasAgg(figure)  # Agg, without pyplot's global state
-            axes = figure.add_subplot()
-            for method, points in lines.items():
-                axes.plot([p[x_index] for p in points], [100 * p[2] for p in points], marker=".", label=method)
-            axes.set(xlabel=x_label, ylabel="accuracy (%)", title=title)
-            axes.grid(alpha=0.3)
-            axes.legend(fontsize="small")
+        for by_megabytes, stem in ((False, "accuracy-vs-round"), (True, "accuracy-vs-mb")):
             path = directory / f"{stem}{suffix}.png"
-            figure.savefig(path, dpi=110)
+            curve_figure(lines, seeds, by_megabytes, title).savefig(path, dpi=110)
             written.append(path)
     return written
 

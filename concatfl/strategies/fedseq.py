@@ -34,6 +34,7 @@ from .common import (
     METRICS_KEY,
     NUM_EXAMPLES_KEY,
     HopResult,
+    Reply,
     Request,
     live_node_ids,
     train_content,
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 
 APPROXIMATORS = ("conf", "clf")
 LABEL_COUNTS_KEY = "label-counts"
+LOCAL_EPOCHS_KEY = "local-epochs"
 
 
 @dataclass
@@ -84,7 +86,8 @@ class FedSeq(RelayStrategy):
         Number of classes (length of the confidence vectors; k of the K-means grouping).
     exemplar_pool : tuple[torch.Tensor, torch.Tensor] | None (default: None)
         (x in [0, 1], y) from which the `conf` approximator draws its public exemplars, usually
-        the global test split. Required when `approximator='conf'`.
+        the global test split. Required when `approximator='conf'`; without it the default
+        approximator is `clf`, which needs no data on the server.
     exclude_exemplars : Callable[[np.ndarray], None] | None (default: None)
         Called with the exemplars' indices into `exemplar_pool` as soon as they are drawn (in
         the constructor) and again after `load_state_dict`, so the caller removes them from its
@@ -93,17 +96,19 @@ class FedSeq(RelayStrategy):
         Applied to the exemplars before the forward pass (identity when None).
     device : torch.device | str (default: "cpu")
         Where the server runs the exemplars through the clients' models.
-    approximator : str (default: "conf")
+    approximator : str | None (default: None)
         ψ: `conf` (confidence vectors on the exemplars) or `clf` (classifier weights + PCA).
+        None: `conf` when an `exemplar_pool` is given (the paper's best), else `clf`.
     exemplars_per_class : int (default: 10)
         J, exemplars drawn per class for `conf`.
     conf_normalize : str (default: "sum")
         How p_k becomes a distribution: `sum` (divide by the sum) or `softmax` (paper's Eq. 3).
     clf_layers : str (default: "all")
         Fully-connected layers read by `clf`: `all`, `last2` or `last` (the classifier).
-    metric : str (default: "kl")
+    metric : str | None (default: None)
         τ of the greedy grouping: `kl`, `cosine`, `euclidean`, `wasserstein` or `gini`. `kl`,
-        `wasserstein` and `gini` compare distributions and need `approximator='conf'`.
+        `wasserstein` and `gini` compare distributions and need `approximator='conf'`. None:
+        `kl` with `conf`, `cosine` with `clf`.
     grouping : str (default: "greedy")
         φ: `greedy` (paper's Alg. 3), `kmeans` (Alg. 2) or `random`.
     greedy_merge : str (default: "half")
@@ -115,7 +120,10 @@ class FedSeq(RelayStrategy):
     max_clients : int (default: 11)
         K_S,max: a superclient stops growing at this many clients.
     pretrain_epochs : int (default: 10)
-        Local epochs of stage 1's pre-training (sent as ``config["local-epochs"]``).
+        Local epochs of stage 1's pre-training (sent as ``config["local-epochs"]``). A client
+        that reads its epoch count elsewhere pre-trains for its own count; one that reports the
+        epochs it trained (``metrics["local-epochs"]``) has them recorded in `setup_record`
+        (`pretrain_epochs_reported`), with a warning where they differ.
     superclient_epochs : int (default: 1)
         E_S: passes of the model along a superclient's chain per round.
     fraction_train : float (default: 1.0)
@@ -152,11 +160,11 @@ class FedSeq(RelayStrategy):
         exclude_exemplars: Callable[[np.ndarray], None] | None = None,
         normalization: Callable[[torch.Tensor], torch.Tensor] | None = None,
         device: torch.device | str = "cpu",
-        approximator: str = "conf",
+        approximator: str | None = None,
         exemplars_per_class: int = 10,
         conf_normalize: str = "sum",
         clf_layers: str = "all",
-        metric: str = "kl",
+        metric: str | None = None,
         grouping: str = "greedy",
         greedy_merge: str = "half",
         min_samples: int = 800,
@@ -175,6 +183,10 @@ class FedSeq(RelayStrategy):
         seed: int = 0,
     ) -> None:
         super().__init__(fraction_evaluate=fraction_evaluate, round_timeout=round_timeout, seed=seed)
+        if approximator is None:
+            approximator = "conf" if exemplar_pool is not None else "clf"
+        if metric is None:
+            metric = "kl" if approximator == "conf" else "cosine"
         _check_choice("approximator", approximator, APPROXIMATORS)
         _check_choice("conf_normalize", conf_normalize, sc.CONF_NORMALIZATIONS)
         _check_choice("clf_layers", clf_layers, sc.CLF_LAYERS)
@@ -187,7 +199,10 @@ class FedSeq(RelayStrategy):
                 "with 'clf' and greedy grouping use 'cosine' or 'euclidean'"
             )
         if approximator == "conf" and exemplar_pool is None:
-            raise ValueError("approximator 'conf' needs an exemplar_pool (x, y) on the server")
+            raise ValueError(
+                "approximator 'conf' needs an exemplar_pool (x, y) of labelled data on the server; "
+                "without one use approximator 'clf' (the default when no exemplar_pool is given)"
+            )
         for name, value in (("min_samples", min_samples), ("max_clients", max_clients),
                             ("pretrain_epochs", pretrain_epochs), ("superclient_epochs", superclient_epochs),
                             ("exemplars_per_class", exemplars_per_class), ("num_classes", num_classes)):
@@ -262,6 +277,7 @@ class FedSeq(RelayStrategy):
             rng=self.rng,
             merge=self.greedy_merge,
         )
+        reported_epochs, differing_epochs = self._reported_pretrain_epochs(replies)
         self.client_samples = dict(zip(node_ids, sizes))
         self.plan = {sid: [node_ids[c] for c in group] for sid, group in enumerate(groups)}
         self.superclients = {sid: list(members) for sid, members in self.plan.items()}
@@ -278,6 +294,9 @@ class FedSeq(RelayStrategy):
             "seconds": round(sum(hop.seconds for hop in hops), 4),
             "clients": len(node_ids),
             "left_out": sorted(miss.request.node_id for miss in pretraining.misses),
+            "pretrain_epochs": self.pretrain_epochs,
+            "pretrain_epochs_reported": reported_epochs,
+            "pretrain_epochs_differ": differing_epochs,
             "approximator": self.approximator,
             "metric": self.metric if self.grouping == "greedy" else None,
             "greedy_merge": self.greedy_merge if self.grouping == "greedy" else None,
@@ -288,6 +307,24 @@ class FedSeq(RelayStrategy):
             **report,
         }
         _log_report(self.setup_record)
+
+    def _reported_pretrain_epochs(self, replies: list[Reply]) -> tuple[dict[int, float], list[int]]:
+        """Node -> the epochs it says it pre-trained (``metrics["local-epochs"]``, optional), and
+        the nodes whose count differs from `pretrain_epochs` (warned about: their ClientApp reads
+        its epoch count from somewhere other than ``config["local-epochs"]``)."""
+        reported: dict[int, float] = {}
+        for reply in replies:
+            value = reply.metrics.get(LOCAL_EPOCHS_KEY)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                reported[reply.node_id] = value
+        if differing := sorted(node for node, epochs in reported.items() if epochs != self.pretrain_epochs):
+            log(
+                WARNING,
+                "FedSeq pre-training asked for %s local epochs; nodes %s report %s (their ClientApp "
+                "does not read config['local-epochs']): the approximations come from differently trained models",
+                self.pretrain_epochs, differing, [reported[node] for node in differing],
+            )
+        return reported, differing
 
     def _approximate(self, models: list[ArrayRecord]) -> tuple[np.ndarray, dict[str, Any]]:
         """ψ of every returned model (rows in the order given) and what to report about it."""
