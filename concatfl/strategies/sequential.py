@@ -135,15 +135,18 @@ class ChainGuard:
             log(
                 WARNING,
                 "%s: the sequentially trained models diverge: %s. The clients' local steps (lr, momentum, "
-                "local-epochs) are too large for chains of label-skewed clients. Lower them, or bound the "
-                "server's hops with %s (now %s; 1.5 bounds hops to 1.5x a first hop) or %s (now %s). Recorded "
-                "per aggregation as 'divergence' in metrics.json; this warning is logged once per run.",
+                "local-epochs) are too large for chains of label-skewed clients. Lower them, or let the server "
+                "damp and bound each hop: %s (now %s; default %s) and %s (now %s; default %s), the constructor's "
+                "hop_step and hop_clip. Recorded per aggregation as 'divergence' in metrics.json; this warning "
+                "is logged once per run.",
                 self.strategy,
                 reason,
-                self.keys[1],
-                self.hop_clip,
                 self.keys[0],
                 self.hop_step,
+                DEFAULT_HOP_STEP,
+                self.keys[1],
+                self.hop_clip,
+                DEFAULT_HOP_CLIP,
             )
         return record
 
