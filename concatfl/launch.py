@@ -365,7 +365,7 @@ class FlowerSession:
         try:
             while not (status := self.status(run_id)).startswith("finished"):
                 if deadline is not None and time.monotonic() > deadline:
-                    raise SimulationError(f"run {run_id} did not finish within {timeout} s (--timeout)")
+                    raise SimulationError(f"run {run_id} did not finish within {timeout} s")
                 time.sleep(pause)
                 pause = min(pause * 1.5, 5.0)
             if follower is not None:
@@ -376,6 +376,8 @@ class FlowerSession:
             if printer is not None:
                 printer.join(timeout=10)
         if status != "finished:completed":
+            if stream:  # the log, with the error, was just printed
+                raise SimulationError(f"run {run_id} ended {status!r}; the error is in its log above")
             log_text = self.flwr(["log", run_id, CONNECTION], timeout=60)
             raise SimulationError(f"run {run_id} ended {status!r}; log tail:\n{log_text[-4000:]}")
 

@@ -15,6 +15,7 @@ from concatfl.launch import PROJECT_DIR, readable_log
 from concatfl.runtime import ServerEnv
 from concatfl.strategies import build_strategy
 from concatfl.strategies.base import summary_value
+from concatfl.strategies.common import Miss, Request
 
 
 def _strategy(name: str):
@@ -83,8 +84,9 @@ def test_launcher_log_of_a_short_run_is_short_and_leaves_no_session_files(tmp_pa
     """FedSeq (whose summary once printed the server's dataset tensors: ~350 lines) for 2 rounds.
 
     Bound: Flower's 4 start lines (SuperLink, log stream, simulation, federation size), the run
-    line (dataset, model, nodes), at most 4 summary lines, FedSeq's grouping line, one line per
-    round, the end of the strategy, the final accuracy and the launcher's last line: 13 + rounds.
+    line (dataset, model, nodes), at most 4 summary lines, FedSeq's grouping (one line, then one
+    per superclient: 4 here, one client each), one line per round (2), the end of the strategy,
+    the final accuracy and the launcher's last line: 13 + 4 + 2 = 19 lines.
     """
     scratch, cwd = tmp_path / "tmp", tmp_path / "cwd"
     scratch.mkdir()
@@ -104,9 +106,24 @@ def test_launcher_log_of_a_short_run_is_short_and_leaves_no_session_files(tmp_pa
     log = done.stdout
     assert done.returncode == 0, log
     lines = log.splitlines()
-    assert len(lines) <= 13 + 2, log
+    assert len(lines) <= 13 + 4 + 2, log
     assert sum("[ROUND " in line for line in lines) == 2, log
     assert "tensor" not in log and "Traceback" not in log and "default simulated SuperNodes" not in log
     assert lines[-1].endswith(f"metrics: {cwd / 'outputs'}/metrics.json")
     assert (cwd / "outputs" / "metrics.json").exists()
     assert not list(scratch.glob("concatfl-run-*"))
+
+
+def test_a_missed_reply_is_logged_in_one_line_and_recorded_in_full():
+    traceback = (
+        "error reply: <class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'ray::ClientAppActor.run()\n"
+        '  File "concatfl/runtime.py", line 60, in _partitions\n'
+        "    partition_indices(\n"
+        "Exception ClientAppException occurred. Message: partition 'dirichlet' cannot be built'>"
+    )
+    miss = Miss(Request(7, None), traceback)
+    assert miss.short_reason == (
+        "error reply: Exception ClientAppException occurred. Message: partition 'dirichlet' cannot be built"
+    )
+    assert miss.as_record()["reason"] == traceback
+    assert Miss(Request(7, None), "no reply before the round timeout").short_reason == "no reply before the round timeout"
