@@ -562,7 +562,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         overrides = parse_overrides(args.run_config)
-        RunConfig.from_mapping(overrides)
+        config = RunConfig.from_mapping(overrides)
+        if args.num_supernodes < config.min_available_nodes:
+            raise ValueError(
+                f"--num-supernodes {args.num_supernodes} is below run-config key 'min-available-nodes' "
+                f"({config.min_available_nodes}): the ServerApp would wait for nodes forever"
+            )
     except ValueError as error:  # ConfigError is a ValueError
         print(f"concatfl.launch: {error}", file=sys.stderr)
         return 2

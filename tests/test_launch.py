@@ -48,6 +48,12 @@ def test_bad_run_config_fails_at_once_with_one_message(run_config, message, tmp_
     assert not (tmp_path / "work").exists()
 
 
+def test_fewer_supernodes_than_the_server_waits_for_fail_at_once(capsys, nothing_may_start):
+    assert main(["--num-supernodes", "1"]) == 2
+    assert "--num-supernodes 1 is below run-config key 'min-available-nodes' (2)" in capsys.readouterr().err
+    assert main(["--num-supernodes", "3", "--run-config", "min-available-nodes=4"]) == 2
+
+
 def test_unquoted_string_error_names_the_key():
     with pytest.raises(ValueError, match=r"'strategy' is fedcat.*strategy='fedcat'"):
         parse_overrides("lr=0.1 strategy=fedcat")
