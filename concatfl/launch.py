@@ -395,9 +395,45 @@ NOISE = re.compile(
 )
 
 
+# The first line of a log record (Flower's, or a Ray worker's "(ClientAppActor pid=…)" relay of
+# one); other lines continue the record before them (tracebacks).
+RECORD = re.compile(r"^(?:\x1b\[[\d;]*m)?(?:\(\w+ pid=\d+\)|(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\b)")
+# Flower logs a ClientApp that raised as three ERROR records of ~40 lines each: this notice, the
+# exception and its traceback.
+CLIENT_FAILURE = "An exception was raised when processing a message by"
+CLIENT_FAILURE_RECORDS = 3
+
+
 def readable_log(lines: Iterable[str]) -> Iterator[str]:
-    """The lines of a run's log worth showing a user (`NOISE` left out)."""
-    return (line for line in lines if not NOISE.search(line))
+    """The lines of a run's log worth showing a user: `NOISE` left out, and each ClientApp
+    failure's tracebacks shortened to one line with the error's message (the strategy then logs
+    the missed reply; the full traceback stays in metrics.json and in `flwr log`)."""
+    failure: list[str] = []  # the lines of the ClientApp failure being read
+    records_left = 0  # its records not yet started
+    for line in lines:
+        starts_record = bool(RECORD.match(line))
+        if starts_record and CLIENT_FAILURE in line:
+            if failure:
+                yield _failure_line(failure)
+            failure, records_left = [], CLIENT_FAILURE_RECORDS
+        if failure or records_left:
+            if not starts_record or records_left:
+                records_left -= starts_record
+                failure.append(line)
+                continue
+            yield _failure_line(failure)  # a record after the failure's last one
+            failure = []
+        if not NOISE.search(line):
+            yield line
+    if failure:
+        yield _failure_line(failure)
+
+
+def _failure_line(records: list[str]) -> str:
+    """One line for a ClientApp failure: its level prefix and the last line of its traceback."""
+    prefix = records[0][: records[0].index(CLIENT_FAILURE)]
+    message = next(line.strip() for line in reversed(records) if line.strip())
+    return f"{prefix}ClientApp error (traceback left out): " + message.removesuffix("'>") + "\n"
 
 
 def _print_log_in_background(stream: IO[bytes] | None) -> threading.Thread:

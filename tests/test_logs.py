@@ -79,6 +79,48 @@ def test_readable_log_drops_flowers_federation_size_notice_and_keeps_progress():
     ]
 
 
+# A ClientApp that raised, as Flower 1.42's simulation logs it (three ERROR records, shortened
+# here from ~110 lines), then the strategy's line about the missed reply.
+CLIENT_FAILURE = """\x1b[91mERROR \x1b[0m:     An exception was raised when processing a message by RayBackend
+\x1b[91mERROR \x1b[0m:     \x1b[36mray::ClientAppActor.run()\x1b[39m (pid=23918, ip=192.0.2.2)
+  File "/app/concatfl/data/partition.py", line 107, in partition_indices
+    raise PartitionError(
+concatfl.data.partition.PartitionError: partition 'dirichlet' cannot be built
+
+The above exception was the direct cause of the following exception:
+
+\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=23918, ip=192.0.2.2)
+flwr.clientapp.client_app.ClientAppException:
+Exception ClientAppException occurred. Message: partition 'dirichlet' cannot be built
+\x1b[91mERROR \x1b[0m:     Traceback (most recent call last):
+  File "/venv/flwr/server/superlink/fleet/vce/vce_api.py", line 132, in worker
+    out_mssg, updated_context = backend.process_message(message, context)
+ray.exceptions.RayTaskError(ClientAppException): \x1b[36mray::ClientAppActor.run()\x1b[39m (pid=23918)
+Exception ClientAppException occurred. Message: partition 'dirichlet' cannot be built
+"""
+MISSED = "\x1b[93mWARNING \x1b[0m:   Node 3 (None) left out: error reply: Exception ClientAppException occurred.\n"
+
+
+def test_readable_log_shortens_each_clientapp_failure_to_one_line():
+    log = (FLOWER_LOG.splitlines(keepends=True)[:3] + CLIENT_FAILURE.splitlines(keepends=True) * 2
+           + [MISSED, MISSED] + FLOWER_LOG.splitlines(keepends=True)[6:7] + CLIENT_FAILURE.splitlines(keepends=True))
+    kept = list(readable_log(log))
+    failure_line = (
+        "\x1b[91mERROR \x1b[0m:     ClientApp error (traceback left out): Exception ClientAppException "
+        "occurred. Message: partition 'dirichlet' cannot be built\n"
+    )
+    assert kept == [
+        FLOWER_LOG.splitlines(keepends=True)[0],
+        FLOWER_LOG.splitlines(keepends=True)[2],
+        failure_line,
+        failure_line,
+        MISSED,
+        MISSED,
+        FLOWER_LOG.splitlines(keepends=True)[6],
+        failure_line,  # a failure at the very end of the log
+    ]
+
+
 @pytest.mark.e2e
 def test_launcher_log_of_a_short_run_is_short_and_leaves_no_session_files(tmp_path):
     """FedSeq (whose summary once printed the server's dataset tensors: ~350 lines) for 2 rounds.
