@@ -407,7 +407,7 @@ CLIENT_FAILURE_RECORDS = 3
 def readable_log(lines: Iterable[str]) -> Iterator[str]:
     """The lines of a run's log worth showing a user: `NOISE` left out, and each ClientApp
     failure's tracebacks shortened to one line with the error's message (the strategy then logs
-    the missed reply; the full traceback stays in metrics.json and in `flwr log`)."""
+    the missed reply, whose reason in metrics.json keeps the full traceback)."""
     failure: list[str] = []  # the lines of the ClientApp failure being read
     records_left = 0  # its records not yet started
     for line in lines:
