@@ -1,13 +1,12 @@
 # One image for every concatfl container. In Flower's default `subprocess` isolation the SuperLink
 # runs the ServerApp and each SuperNode runs the ClientApp as subprocesses, so all of them need
 # concatfl and its dependencies (this is what Flower's Docker guide does by extending the
-# flwr/superlink and flwr/supernode images with the app's dependencies; concatfl installs flwr
-# itself with its install script because of flwr 1.42's certifi pin). The image also carries the
-# `flwr` CLI (services `register` and `submit`).
+# flwr/superlink and flwr/supernode images with the app's dependencies, through concatfl's install
+# script, which pins torch first). The image also carries the `flwr` CLI (services `register` and
+# `submit`).
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY requirements ./requirements
 COPY scripts ./scripts
 COPY concatfl ./concatfl
 # TORCH_VERSION may name a CUDA build for GPU hosts (see docs/deployment.md, "GPUs").

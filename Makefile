@@ -7,7 +7,7 @@ install:
 	bash scripts/install.sh
 
 demo: install
-	.venv/bin/python -m concatfl.launch --num-supernodes 10 --workdir outputs/demo
+	.venv/bin/python -m concatfl.launch --num-supernodes 10 --run-config "output-dir='outputs/demo'"
 
 test: install
 	.venv/bin/python -m pytest

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import re
@@ -22,16 +23,18 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import psutil
 import tomli_w
 
+from .config import RunConfig
 from .metrics import read_metrics
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
@@ -339,23 +342,29 @@ class FlowerSession:
         listing = json.loads(self.flwr(["ls", CONNECTION, "--run-id", run_id, "--format", "json"]))
         return str(listing["runs"][0]["status"])
 
-    def wait(self, run_id: str, *, stream: bool = False, timeout: float = 1800) -> None:
-        """Wait for the run to finish (printing its log when `stream`); require completed."""
+    def wait(self, run_id: str, *, stream: bool = False, timeout: float | None = None) -> None:
+        """Wait for the run to finish (printing its log when `stream`); require completed.
+
+        `timeout` (seconds) gives up on a run that has not finished by then; None waits as
+        long as the run takes.
+        """
         follower = (
             subprocess.Popen(
                 in_namespace(["flwr", "log", run_id, CONNECTION, "--stream"], self.cli_netns),
                 env=self.env,
+                stdout=subprocess.PIPE,
                 start_new_session=True,
             )
             if stream
             else None
         )
-        deadline = time.monotonic() + timeout
+        printer = _print_log_in_background(follower.stdout) if follower is not None else None
+        deadline = None if timeout is None else time.monotonic() + timeout
         # Each status check starts a `flwr` CLI process (~1 s of CPU): back off to one per 5 s.
         pause = 1.0
         try:
             while not (status := self.status(run_id)).startswith("finished"):
-                if time.monotonic() > deadline:
+                if deadline is not None and time.monotonic() > deadline:
                     raise SimulationError(f"run {run_id} did not finish within {timeout} s")
                 time.sleep(pause)
                 pause = min(pause * 1.5, 5.0)
@@ -364,9 +373,82 @@ class FlowerSession:
         finally:
             if follower is not None:
                 stop_process_tree(follower)
+            if printer is not None:
+                printer.join(timeout=10)
         if status != "finished:completed":
+            if stream:  # the log, with the error, was just printed
+                raise SimulationError(f"run {run_id} ended {status!r}; the error is in its log above")
             log_text = self.flwr(["log", run_id, CONNECTION], timeout=60)
             raise SimulationError(f"run {run_id} ended {status!r}; log tail:\n{log_text[-4000:]}")
+
+
+# Lines of Flower's run log that say nothing about this run: Flower 1.42 warns about the changed
+# default federation size on every simulation, even when the size is given (as the launcher always
+# does), reports installing the app into the launcher's private FLWR_HOME, and ends with an empty
+# log line.
+NOISE = re.compile(
+    r"INFO[^:]*:\s*$"
+    r"|Since flwr 1\.32, default simulated SuperNodes changed"
+    r"|To change federation size, use the following command"
+    r"|flwr federation simulation-config"
+    r"|Successfully installed concatfl to "
+)
+
+
+# The first line of a log record (Flower's, or a Ray worker's "(ClientAppActor pid=…)" relay of
+# one); other lines continue the record before them (tracebacks).
+RECORD = re.compile(r"^(?:\x1b\[[\d;]*m)?(?:\(\w+ pid=\d+\)|(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\b)")
+# Flower logs a ClientApp that raised as three ERROR records of ~40 lines each: this notice, the
+# exception and its traceback.
+CLIENT_FAILURE = "An exception was raised when processing a message by"
+CLIENT_FAILURE_RECORDS = 3
+
+
+def readable_log(lines: Iterable[str]) -> Iterator[str]:
+    """The lines of a run's log worth showing a user: `NOISE` left out, and each ClientApp
+    failure's tracebacks shortened to one line with the error's message (the strategy then logs
+    the missed reply, whose reason in metrics.json keeps the full traceback)."""
+    failure: list[str] = []  # the lines of the ClientApp failure being read
+    records_left = 0  # its records not yet started
+    for line in lines:
+        starts_record = bool(RECORD.match(line))
+        if starts_record and CLIENT_FAILURE in line:
+            if failure:
+                yield _failure_line(failure)
+            failure, records_left = [], CLIENT_FAILURE_RECORDS
+        if failure or records_left:
+            if not starts_record or records_left:
+                records_left -= starts_record
+                failure.append(line)
+                continue
+            yield _failure_line(failure)  # a record after the failure's last one
+            failure = []
+        if not NOISE.search(line):
+            yield line
+    if failure:
+        yield _failure_line(failure)
+
+
+def _failure_line(records: list[str]) -> str:
+    """One line for a ClientApp failure: its level prefix and the last line of its traceback."""
+    prefix = records[0][: records[0].index(CLIENT_FAILURE)]
+    message = next(line.strip() for line in reversed(records) if line.strip())
+    return f"{prefix}ClientApp error (traceback left out): " + message.removesuffix("'>") + "\n"
+
+
+def _print_log_in_background(stream: IO[bytes] | None) -> threading.Thread:
+    """Copy a streamed run log to stdout, without `NOISE`, as it arrives."""
+
+    def copy() -> None:
+        assert stream is not None
+        with stream:
+            for line in readable_log(io.TextIOWrapper(stream, errors="replace")):
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    printer = threading.Thread(target=copy, daemon=True)
+    printer.start()
+    return printer
 
 
 def stop_process_tree(process: subprocess.Popen[bytes]) -> None:
@@ -398,26 +480,52 @@ def run_simulation(
     workdir: str | os.PathLike | None = None,
     app_dir: str | os.PathLike = PROJECT_DIR,
     stream: bool = False,
-    timeout: float = 1800,
+    timeout: float | None = None,
     cpus_per_client: int = 1,
     gpus_per_client: float = 0.0,
 ) -> dict[str, Any]:
     """Run one simulation to completion and return its metrics.json as a dict.
 
-    `run_config` overrides pyproject's defaults; `output-dir` defaults to `<workdir>/output`.
+    `run_config` overrides the app's defaults (pyproject.toml). `workdir` receives the
+    session's files (FLWR_HOME with the SuperLink database, process logs) and, unless
+    `run_config` names an `output-dir`, the outputs in `<workdir>/output`. Without `workdir`
+    the session's files go to a temporary directory that is removed afterwards (kept, and
+    named in the error, when the run failed) and the outputs go where `output-dir` says (the
+    app's default: `outputs` under the current directory). `timeout` (seconds) gives up on a
+    run that takes longer; None waits as long as it takes.
     Raises SimulationError (with the log tail) unless the run ends `finished:completed`.
     """
+    scratch = workdir is None
     workdir = Path(workdir or tempfile.mkdtemp(prefix="concatfl-run-")).resolve()
-    overrides = {"output-dir": str(workdir / "output"), **run_config}
-    with FlowerSession(workdir, simulation=True) as session:
-        run_id = session.submit(
-            overrides,
-            app_dir,
-            f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client} "
-            f"client-resources-num-gpus={gpus_per_client}",
-        )
-        session.wait(run_id, stream=stream, timeout=timeout)
-    return read_metrics(overrides["output-dir"])
+    default_output = app_config(app_dir).get("output-dir", "outputs") if scratch else workdir / "output"
+    output_dir = Path(run_config.get("output-dir", default_output)).resolve()
+    overrides = {**run_config, "output-dir": str(output_dir)}
+    try:
+        with FlowerSession(workdir, simulation=True) as session:
+            run_id = session.submit(
+                overrides,
+                app_dir,
+                f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client} "
+                f"client-resources-num-gpus={gpus_per_client}",
+            )
+            session.wait(run_id, stream=stream, timeout=timeout)
+    except SimulationError as error:
+        if scratch:
+            error.add_note(f"The session's files (SuperLink database and logs) are kept in {workdir}")
+        raise
+    except BaseException:
+        if scratch:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    if scratch:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return read_metrics(output_dir)
+
+
+def app_config(app_dir: str | os.PathLike = PROJECT_DIR) -> dict[str, Any]:
+    """The run-config defaults an app declares (`[tool.flwr.app.config]` of its pyproject.toml)."""
+    with (Path(app_dir) / "pyproject.toml").open("rb") as handle:
+        return dict(tomllib.load(handle)["tool"]["flwr"]["app"].get("config", {}))
 
 
 def _wait_for_port(
@@ -451,7 +559,16 @@ def parse_overrides(text: str) -> dict[str, Any]:
     value may hold spaces)."""
     if not _OVERRIDES.fullmatch(text):
         raise ValueError(f"--run-config must be key=value pairs separated by spaces, got {text!r}")
-    return {key: tomllib.loads(f"v = {raw}")["v"] for key, raw in _OVERRIDE.findall(text)}
+    overrides = {}
+    for key, raw in _OVERRIDE.findall(text):
+        try:
+            overrides[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise ValueError(
+                f"--run-config value of '{key}' is {raw}, which is not a number, true/false or a quoted "
+                f"string; strings need quotes: {key}='{raw}'"
+            ) from None
+    return overrides
 
 
 def exit_on_sigterm() -> None:
@@ -460,32 +577,53 @@ def exit_on_sigterm() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: run one simulation, stream its log, print where metrics.json is."""
+    """Command line: check the run config, run one simulation, stream its log, say where metrics.json is.
+
+    Returns 2 for a bad argument or run-config value (found before anything starts), 1 when
+    the run did not complete.
+    """
     exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-supernodes", type=int, default=10)
     parser.add_argument("--run-config", default="", help="overrides, e.g. \"num-server-rounds=5 lr=0.1\"")
-    parser.add_argument("--workdir", default=None, help="where the run's files go (default: a temp dir)")
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="keep the run's files here (SuperLink database, logs; outputs in WORKDIR/output unless "
+        "output-dir is set). Default: a temporary directory, removed afterwards; outputs go to output-dir",
+    )
+    parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: none)")
     parser.add_argument("--cpus-per-client", type=int, default=1)
     parser.add_argument("--gpus-per-client", type=float, default=0.0)
     args = parser.parse_args(argv)
     try:
         overrides = parse_overrides(args.run_config)
-    except ValueError as error:
-        parser.error(str(error))
+        config = RunConfig.from_mapping(overrides)
+        if args.num_supernodes < config.min_available_nodes:
+            raise ValueError(
+                f"--num-supernodes {args.num_supernodes} is below run-config key 'min-available-nodes' "
+                f"({config.min_available_nodes}): the ServerApp would wait for nodes forever"
+            )
+    except ValueError as error:  # ConfigError is a ValueError
+        print(f"concatfl.launch: {error}", file=sys.stderr)
+        return 2
     started = time.perf_counter()
-    metrics = run_simulation(
-        overrides,
-        args.num_supernodes,
-        workdir=args.workdir,
-        stream=True,
-        cpus_per_client=args.cpus_per_client,
-        gpus_per_client=args.gpus_per_client,
-    )
+    try:
+        metrics = run_simulation(
+            overrides,
+            args.num_supernodes,
+            workdir=args.workdir,
+            stream=True,
+            timeout=args.timeout,
+            cpus_per_client=args.cpus_per_client,
+            gpus_per_client=args.gpus_per_client,
+        )
+    except SimulationError as error:
+        print(f"concatfl.launch: {error}", *getattr(error, "__notes__", []), sep="\n", file=sys.stderr)
+        return 1
     print(
-        f"\nfinished: strategy={metrics['strategy']} final_accuracy={metrics['final_accuracy']:.4f} "
-        f"rounds={len(metrics['rounds'])} wall={time.perf_counter() - started:.1f}s\n"
-        f"metrics: {metrics['run_config']['output-dir']}/metrics.json"
+        f"finished in {time.perf_counter() - started:.1f} s: {metrics['strategy']}, {len(metrics['rounds'])} rounds, "
+        f"final accuracy {metrics['final_accuracy']:.4f}; metrics: {metrics['run_config']['output-dir']}/metrics.json"
     )
     return 0
 

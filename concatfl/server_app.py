@@ -14,6 +14,7 @@ from flwr.supercore import log
 from .checkpoint import Checkpoint, check_resumable, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .metrics import summarize, write_metrics
+from .models import resolve_model_name
 from .runtime import ServerEnv
 from .stable_grid import StableNodeGrid
 from .strategies import build_strategy
@@ -51,6 +52,17 @@ def main(grid: Grid, context: Context) -> None:
     num_nodes = wait_for_nodes(grid, config.min_available_nodes)
 
     initial_arrays = ArrayRecord(env.make_model().state_dict())
+    log(
+        INFO,
+        "dataset %s: %d training and %d evaluation examples, %d classes; model %s: %d parameters; %d nodes",
+        config.dataset,
+        len(env.data.y_train),
+        len(env.eval_y),
+        env.num_classes,
+        resolve_model_name(config.model, config.dataset),
+        sum(array.numpy().size for array in initial_arrays.values()),
+        num_nodes,
+    )
     earlier_seconds = 0.0
     if resumed is not None:
         strategy.load_state_dict(resumed.strategy_state)

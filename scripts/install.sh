@@ -2,18 +2,32 @@
 # Creates .venv (if missing) and installs concatfl with everything it needs to run and test.
 #
 # - torch is installed first and pinned, so that nothing later pulls another (CUDA) build.
-# - flwr 1.42.0 pins certifi>=2026.10.19, which the package registry does not serve yet (flwr never
-#   imports certifi): its other requirements come from requirements/flwr-runtime.txt and flwr
-#   itself is installed with --no-deps.
+# - Then concatfl itself, editable, with the dependencies pyproject.toml declares (flwr[simulation]
+#   1.42 brings Ray) and the `test` extra.
+# - .venv/.concatfl-install records what was installed: a hash of pyproject.toml, this script, the
+#   torch version and the Python. When it matches and concatfl imports from this checkout, nothing
+#   is installed again (`make demo` / `make test` start at once); delete the file to force it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
+torch_version="${TORCH_VERSION:-2.13.0}"
+stamp=.venv/.concatfl-install
+key="$({ cat pyproject.toml scripts/install.sh; echo "torch==$torch_version"; "$python" --version; } | sha256sum | cut -d' ' -f1)"
+report() {  # the installed versions (from the package metadata: no slow imports), then $1
+  .venv/bin/python -c "from importlib.metadata import version as v; print(f'concatfl ready: flwr {v(\"flwr\")}, torch {v(\"torch\")}$1')"
+}
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && .venv/bin/python -c \
+  "import concatfl, sys; sys.exit(concatfl.__file__ != '$PWD/concatfl/__init__.py')" 2>/dev/null; then
+  report " (already installed; delete $stamp to reinstall)"
+  exit 0
+fi
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
+rm -f "$stamp"
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
-"${pip[@]}" "torch==${TORCH_VERSION:-2.13.0}"
-"${pip[@]}" -r requirements/flwr-runtime.txt -r requirements/app.txt -r requirements/test.txt
-"${pip[@]}" --no-deps "flwr==1.42.0"
-"${pip[@]}" --no-deps -e .
-.venv/bin/python -c "import concatfl, flwr, torch; print(f'concatfl ready: flwr {flwr.__version__}, torch {torch.__version__}')"
+"${pip[@]}" "torch==$torch_version"
+"${pip[@]}" -e ".[test]"
+.venv/bin/python -c "import concatfl, flwr, ray, torch"
+report ""
+echo "$key" > "$stamp"

@@ -13,12 +13,14 @@ the usual Message API; `start()` is the usual entry point and returns a Flower `
 from __future__ import annotations
 
 import copy
-import io
+import inspect
 import itertools
+import textwrap
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Iterable
 from logging import INFO
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +48,7 @@ from .common import (
 )
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
+_ABSENT = object()
 
 
 class RelayStrategy(Strategy):
@@ -79,6 +82,7 @@ class RelayStrategy(Strategy):
             raise ValueError(f"fraction_evaluate must be in [0, 1], got {fraction_evaluate}")
         self.fraction_evaluate = fraction_evaluate
         self.round_timeout = round_timeout
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
         self.history: list[dict[str, Any]] = []
         self.setup_record: dict[str, Any] = {}
@@ -224,11 +228,29 @@ class RelayStrategy(Strategy):
         return aggregate_metricrecords(good, NUM_EXAMPLES_KEY) if good else None
 
     def summary(self) -> None:
-        """Log the strategy's configuration."""
-        log(INFO, "\t├──> %s", self.__class__.__name__)
-        for key, value in sorted(vars(self).items()):
-            if not key.startswith("_") and key not in ("history", "setup_record", "rng", "after_round"):
-                log(INFO, "\t│\t├── %s: %s", key, value)
+        """Log the strategy and its parameters in a few lines (see `summary_lines`)."""
+        for line in self.summary_lines():
+            log(INFO, "%s", line)
+
+    def summary_lines(self, width: int = 100) -> list[str]:
+        """The strategy's name and the current value of every constructor parameter, wrapped
+        to `width` characters.
+
+        The parameters are those of `__init__` along the class hierarchy, so a subclass's new
+        parameters appear without further code (stored under the same name, as every concatfl
+        strategy does). Values are shown as `summary_value` renders them: callables (model
+        factories, evaluation functions) and parameters not kept under their own name are left
+        out; internal state (plans, caches, records) is never shown.
+        """
+        items = []
+        for name in _constructor_parameters(type(self)):
+            value = getattr(self, name, _ABSENT)
+            if value is _ABSENT or callable(value):
+                continue
+            items.append(f"{name}={summary_value(value)}")
+        return textwrap.wrap(
+            ", ".join(items), width, initial_indent=f"{type(self).__name__}: ", subsequent_indent="    "
+        )
 
     # pylint: disable=too-many-arguments, too-many-locals
     def start(
@@ -247,11 +269,10 @@ class RelayStrategy(Strategy):
         `round_timeout`. `evaluate_fn(round, arrays)` is called on the initial model and after
         every round that changed the global model.
         """
-        log(INFO, "Starting %s strategy:", self.__class__.__name__)
-        self.summary()
         if self.round_timeout is None:
             self.round_timeout = timeout
         self._evaluate_fn = evaluate_fn
+        self.summary()
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         result = Result(arrays=initial_arrays)
@@ -265,8 +286,6 @@ class RelayStrategy(Strategy):
         if not self.history:
             self.setup(grid, initial_arrays, train_config)
         for server_round in range(len(self.history) + 1, num_rounds + 1):
-            log(INFO, "")
-            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
             round_started = time.perf_counter()
             self._round_extras = {}
             hops: list[HopResult] = []
@@ -307,13 +326,13 @@ class RelayStrategy(Strategy):
                         record.update(dict(evaluated))
             record["seconds"] = round(time.perf_counter() - round_started, 4)
             self.history.append(record)
-            log(INFO, "\t└──> round %s: %s", server_round, _short(record))
+            log(INFO, "[ROUND %s/%s] %s", server_round, num_rounds, _short(record))
             if self.after_round is not None:
                 self.after_round(server_round, arrays, result)
 
+        # Flower's own strategies print the whole Result here; its per-round metrics would repeat
+        # the round lines above (they stay in the returned Result and in metrics.json).
         log(INFO, "Strategy execution finished in %.2fs", time.perf_counter() - started)
-        for line in io.StringIO(str(result)):
-            log(INFO, "\t%s", line.strip("\n"))
         return result
 
     def _federated_evaluation(
@@ -329,6 +348,44 @@ class RelayStrategy(Strategy):
         return self.aggregate_evaluate(server_round, replies), {"sent": sent, "received": received}
 
 
+def _constructor_parameters(cls: type) -> list[str]:
+    """Named parameters of `__init__` along `cls`'s hierarchy, subclass first, each once."""
+    names: dict[str, None] = {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or not issubclass(klass, RelayStrategy):
+            continue
+        for parameter in inspect.signature(klass.__init__).parameters.values():
+            if parameter.name != "self" and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
+                names.setdefault(parameter.name)
+    return list(names)
+
+
+def summary_value(value: Any, max_items: int = 4, max_chars: int = 60) -> str:
+    """A short rendering of a parameter value for logs: numbers, strings and short sequences as
+    they are; arrays and tensors by their shape; long sequences by their length; any other object
+    by its repr when that is short, else by its type."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (Path, torch.device)):
+        return repr(str(value))
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return f"{type(value).__name__} of shape {tuple(value.shape)}"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        if len(value) > max_items:
+            return f"<{len(value)} items>"
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k!r}: {summary_value(v)}" for k, v in value.items()) + "}"
+        inner = ", ".join(summary_value(v) for v in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    text = repr(value)
+    return text if len(text) <= max_chars and "\n" not in text else f"<{type(value).__name__}>"
+
+
 def _short(record: dict[str, Any]) -> str:
-    keys = ("accuracy", "loss", "bytes_sent", "bytes_received", "seconds")
-    return ", ".join(f"{k}={record[k]}" for k in keys if k in record)
+    """One round's progress line: accuracy and loss (when evaluated), traffic and time."""
+    parts = [f"{key} {record[key]:.4f}" for key in ("accuracy", "loss") if key in record]
+    parts.append(f"sent {record['bytes_sent'] / 1e6:.2f} MB, received {record['bytes_received'] / 1e6:.2f} MB")
+    misses = sum(len(hop["misses"]) for hop in record["hops"])
+    if misses:
+        parts.append(f"{misses} missed replies")
+    return ", ".join(parts) + f", {record['seconds']:.2f} s"

@@ -88,6 +88,16 @@ class Miss:
         """JSON-ready description for metrics.json."""
         return {"node": self.request.node_id, "tag": _jsonable(self.request.tag), "reason": self.reason}
 
+    @property
+    def short_reason(self) -> str:
+        """The reason in one line, for logs: an error reply carries the client's whole traceback
+        (kept in metrics.json); its last line holds the error's message."""
+        lines = [line.strip() for line in self.reason.splitlines() if line.strip()]
+        if len(lines) <= 1:
+            return self.reason
+        kind = self.reason.split(":", 1)[0]
+        return f"{kind}: " + lines[-1].removesuffix("'>")
+
 
 @dataclass
 class HopResult:
@@ -209,7 +219,7 @@ def collect(
         if node_id not in answered:
             hop.misses.append(Miss(request, "no reply before the round timeout"))
     for miss in hop.misses:
-        log(WARNING, "Node %s (%s) left out: %s", miss.request.node_id, miss.request.tag, miss.reason)
+        log(WARNING, "Node %s (%s) left out: %s", miss.request.node_id, miss.request.tag, miss.short_reason)
     return hop
 
 
