@@ -67,6 +67,11 @@ DEFAULT_POLL_INTERVAL = 0.1
 RESTART_PAUSE = 2.0
 
 
+# Every finished task is logged as this prefix and one JSON object (task id, status, claimed_at
+# (Unix time), seconds from claim to report, steps, worker_pid, worker_rss_mib): see `task_records`.
+TASK_LOG_PREFIX = "task record"
+
+
 class UntestedFlowerVersion(RuntimeError):
     """The installed Flower is not one whose task steps this executor mirrors."""
 
@@ -435,18 +440,18 @@ class Supervisor:
             log(INFO, "New app version (FAB %s): starting a fresh ClientApp worker", fab_hash[:12])
             self.restart(None)
         assert self.worker is not None
-        started = time.perf_counter()
+        claimed_at, started = time.time(), time.perf_counter()
         report = self.worker.run(token, fab_hash)
-        log(
-            INFO,
-            "task %d: %s in %.3f s %s (worker pid %d, RSS %.1f MiB)",
-            task_id,
-            report.status if report else "worker died",
-            time.perf_counter() - started,
-            json.dumps(report.steps) if report else "",
-            self.worker.process.pid,
-            self.worker.rss() / 2**20,
-        )
+        record = {
+            "task": task_id,
+            "status": report.status if report else "worker died",
+            "claimed_at": round(claimed_at, 3),
+            "seconds": round(time.perf_counter() - started, 4),
+            "steps": report.steps if report else {},
+            "worker_pid": self.worker.process.pid,
+            "worker_rss_mib": round(self.worker.rss() / 2**20, 1),
+        }
+        log(INFO, "%s %s", TASK_LOG_PREFIX, json.dumps(record))
         if report is None:
             log(ERROR, "The ClientApp worker died running task %d; starting a new one", task_id)
             self.restart(self.last_app)
@@ -460,6 +465,12 @@ class Supervisor:
             time.sleep(RESTART_PAUSE)
         self.worker.stop()
         self.worker = Worker(self.connection, preload)
+
+
+def task_records(log_text: str) -> list[dict]:
+    """The task records (one dict per finished or lost task) in an executor's log."""
+    marker = f"[warm-executor] {TASK_LOG_PREFIX} "
+    return [json.loads(line.split(marker, 1)[1]) for line in log_text.splitlines() if marker in line]
 
 
 def log(level: int, message: str, *args: object, **kwargs: object) -> None:

@@ -15,7 +15,14 @@ import pytest
 
 from concatfl.launch import PROJECT_DIR, FlowerSession, warm_executor_command
 from concatfl.metrics import read_metrics
-from concatfl.warm_executor import UntestedFlowerVersion, check_flower_version, parse_args
+from concatfl.warm_executor import (
+    AppRef,
+    TaskReport,
+    UntestedFlowerVersion,
+    check_flower_version,
+    parse_args,
+    task_records,
+)
 
 from .deploy import DEPLOY_RUN, FAST_POLLING, log_count, online_node_ids, wait_for
 from .e2e import leftover_processes
@@ -38,6 +45,14 @@ def test_bad_arguments_name_the_flag(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--runtime-api-address", "127.0.0.1:9094", "--insecure", "--poll-interval", "0"])
     assert "--poll-interval must be between 0.01 and 60 seconds, got 0.0" in capsys.readouterr().err
+
+
+def test_task_reports_and_records_survive_their_text_form():
+    report = TaskReport("completed", AppRef("concatfl/app", "0.1.0", "ab12"), {"pull": 0.01, "app": 1.5})
+    assert TaskReport.from_json(report.to_json()) == report
+    assert TaskReport.from_json(TaskReport("failed", None, {}).to_json()).app is None
+    log_text = "\x1b[92mINFO \x1b[0m:      [warm-executor] task record {\"task\": 7, \"status\": \"completed\"}\nother line\n"
+    assert task_records(log_text) == [{"task": 7, "status": "completed"}]
 
 
 def test_the_launcher_starts_the_executor_as_a_module_that_exits_with_its_supernode():
@@ -105,7 +120,7 @@ def test_a_crashed_worker_is_replaced_and_a_new_app_version_gets_a_fresh_worker(
         first = run_plan(session, "count,count,exit,count,count", tmp_path / "v1")
         second = run_plan(session, "count", tmp_path / "v2", app_dir=new_version)
         executor_log = tmp_path / "warm-executor-0.log"
-        assert log_count(executor_log, "worker died running task") == 1
+        assert [task["status"] for task in task_records(executor_log.read_text())].count("worker died") == 1
         assert log_count(executor_log, "New app version") == 1
     # The crashed task gets Flower's own error reply; the counter lives in the SuperNode, so it
     # goes on in the new worker (the crashed task pushed no Context: 3 is not counted).
@@ -147,8 +162,8 @@ def test_a_fedseq_job_completes_with_one_warm_process_per_supernode(tmp_path):
     assert metrics["final_accuracy"] > metrics["initial"]["accuracy"]
     for partition_id in range(2):
         received = log_count(tmp_path / f"supernode-{partition_id}.log", "Receiving: ")
-        lines = (tmp_path / f"warm-executor-{partition_id}.log").read_text().splitlines()
-        tasks = [line for line in lines if ": completed in " in line]
+        tasks = task_records((tmp_path / f"warm-executor-{partition_id}.log").read_text())
         assert received >= 4 and len(tasks) == received  # identity, pre-training, two chain hops
-        assert len({line.split("worker pid ")[1].split(",")[0] for line in tasks}) == 1
+        assert {task["status"] for task in tasks} == {"completed"}
+        assert len({task["worker_pid"] for task in tasks}) == 1
     assert leftover_processes(tmp_path) == []
