@@ -201,11 +201,11 @@ def check_executor(executor: str) -> None:
         raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
 
 
-def warm_executor_command(runtime_api_port: int, supernode_pid: int, poll_interval: float | None = None) -> list[str]:
+def warm_executor_command(runtime_api_port: int, supernode_pid: int) -> list[str]:
     """concatfl's warm ClientApp executor for the SuperNode whose Runtime API listens on
     127.0.0.1:`runtime_api_port` (it exits with the SuperNode `supernode_pid`); see
-    concatfl/warm_executor.py. `poll_interval`: seconds between task polls when idle."""
-    command = [
+    concatfl/warm_executor.py."""
+    return [
         sys.executable,
         "-m",
         "concatfl.warm_executor",
@@ -213,7 +213,6 @@ def warm_executor_command(runtime_api_port: int, supernode_pid: int, poll_interv
         "--insecure",
         f"--parent-pid={supernode_pid}",
     ]
-    return command + ([f"--poll-interval={poll_interval}"] if poll_interval is not None else [])
 
 
 def in_namespace(command: list[str], netns: str | None) -> list[str]:

@@ -28,7 +28,9 @@ Flower's guarantees, kept:
 
 Only the standard library and `flwr` are imported at module level: the worker runs this file as
 a script (`python -P`), so the ClientApp's own modules (concatfl's included) are imported from
-the installed FAB, exactly as in `flwr-clientapp`.
+the installed FAB, exactly as in `flwr-clientapp`. Flower's runtime dependency installation
+(`--allow-runtime-dependency-installation`) is not offered: the app's dependencies must be
+installed in the executor's environment.
 """
 
 from __future__ import annotations
@@ -46,9 +48,15 @@ import time
 from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from flwr.supercore.version import package_version
+
+if TYPE_CHECKING:
+    from flwr.app import Context, Message
+    from flwr.supercore.fab import Fab
+    from flwr.supercore.run import Run
+    from flwr.supercore.runtime import RuntimeHttpClient
 
 # Flower versions whose task steps this executor was tested against: the steps below mirror
 # `flwr/supernode/runtime/run_clientapp.py` of these versions.
@@ -95,7 +103,7 @@ class RuntimeConnection:
     root_certificates_path: str | None = None
     superexec_auth_secret: bytes | None = None
 
-    def client(self, component: str, token: str | None = None):
+    def client(self, component: str, token: str | None = None) -> RuntimeHttpClient:
         """A Runtime API client; with `token`, acting as that task's ClientApp."""
         # pylint: disable=import-outside-toplevel
         from flwr.supercore.interceptors import (
@@ -265,7 +273,7 @@ class StepClock:
         self.last = now
 
 
-def pull_task_input(client):
+def pull_task_input(client: RuntimeHttpClient) -> tuple[Message, Context, Run, Fab]:
     """Flower's `run_clientapp.pull_task_input` with a short object-pull backoff.
 
     Same calls in the same order (PullTaskInput, PullMessages, object pulls, confirmation); a
@@ -314,7 +322,7 @@ def pull_task_input(client):
 
 
 def worker_main(connection: RuntimeConnection, reply_fd: int, preload: str | None) -> None:
-    """Worker loop: a task token per stdin line; its sub-status per line on `reply_fd`."""
+    """Worker loop: a task token per stdin line; its TaskReport as a JSON line on `reply_fd`."""
     runner = TaskRunner(connection)
     if preload:
         runner.preload(AppRef(**json.loads(preload)))

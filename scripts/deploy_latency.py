@@ -144,7 +144,7 @@ def sequential_hop_parts(hops: list[dict[str, Any]], tasks: list[dict[str, Any]]
         if len(served) != 1:
             continue
         task, train = served[0], hop["train_seconds"][0]
-        steps = task["steps"]
+        steps = {step: task["steps"].get(step, 0.0) for step in ("connect", "pull", "load", "app", "push")}
         measured = {
             "hop": hop["seconds"],
             "before_claim": task["claimed_at"] - started,

@@ -56,7 +56,7 @@ def test_task_reports_and_records_survive_their_text_form():
 
 
 def test_the_launcher_starts_the_executor_as_a_module_that_exits_with_its_supernode():
-    command = warm_executor_command(9094, 4321, poll_interval=0.2)
+    command = warm_executor_command(9094, 4321)
     assert command[1:3] == ["-m", "concatfl.warm_executor"]
     assert parse_args(command[3:]).parent_pid == 4321
     with pytest.raises(ValueError, match="executor must be one of stock, warm, got 'hot'"):
