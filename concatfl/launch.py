@@ -39,6 +39,9 @@ from .metrics import read_metrics
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 CONNECTION = "concatfl-sim"
+# How a SuperNode runs its ClientApp tasks: Flower's SuperExec (a new process per message) or
+# concatfl's warm executor (one long-lived process per SuperNode, concatfl/warm_executor.py).
+EXECUTORS = ("stock", "warm")
 
 
 class SimulationError(RuntimeError):
@@ -170,12 +173,16 @@ def supernode_command(
     security: tuple[str, ...] = ("--insecure",),
     health_address: str | None = None,
     node_config: str = "",
+    executor: str = "stock",
 ) -> list[str]:
     """How concatfl starts a SuperNode holding partition `partition_id` of `num_partitions`.
 
     `port` is the SuperNode's own Runtime API port (one per SuperNode on a host); `security`
     comes from `supernode_security`; `node_config` adds `key=value` pairs for the ClientApp.
+    `executor` is "stock" (the SuperNode starts Flower's SuperExec: a new ClientApp process per
+    message) or "warm" (`--isolation process`: `warm_executor_command` runs its ClientApp tasks).
     """
+    check_executor(executor)
     command = [
         "flower-supernode",
         *security,
@@ -186,7 +193,29 @@ def supernode_command(
     ]
     if health_address is not None:
         command.append(f"--health-server-address={health_address}")
+    if executor == "warm":
+        command.append("--isolation=process")
     return command
+
+
+def check_executor(executor: str) -> None:
+    """Raise ValueError unless `executor` is one of EXECUTORS."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+
+
+def warm_executor_command(runtime_api_port: int, supernode_pid: int) -> list[str]:
+    """concatfl's warm ClientApp executor for the SuperNode whose Runtime API listens on
+    127.0.0.1:`runtime_api_port` (it exits with the SuperNode `supernode_pid`); see
+    concatfl/warm_executor.py."""
+    return [
+        sys.executable,
+        "-m",
+        "concatfl.warm_executor",
+        f"--runtime-api-address=127.0.0.1:{runtime_api_port}",
+        "--insecure",
+        f"--parent-pid={supernode_pid}",
+    ]
 
 
 def in_namespace(command: list[str], netns: str | None) -> list[str]:
@@ -215,6 +244,9 @@ class FlowerSession:
         the caller's own.
     env : Mapping[str, str] | None (default: None)
         Extra environment for every process (e.g. FLWR_SUPEREXEC_TASK_POLL_INTERVAL).
+    executor : str (default: "stock")
+        How SuperNodes run ClientApp tasks (one of EXECUTORS): "stock" is Flower's SuperExec,
+        "warm" is concatfl's warm executor started next to every SuperNode.
     """
 
     # pylint: disable=too-many-arguments
@@ -229,7 +261,11 @@ class FlowerSession:
         superlink_netns: str | None = None,
         cli_netns: str | None = None,
         env: Mapping[str, str] | None = None,
+        executor: str = "stock",
     ) -> None:
+        check_executor(executor)
+        self.executor = executor
+        self.executors: dict[int, subprocess.Popen[bytes]] = {}
         self.workdir = Path(workdir).resolve()
         self.flwr_home = self.workdir / "flwr-home"
         self.flwr_home.mkdir(parents=True, exist_ok=True)
@@ -297,11 +333,25 @@ class FlowerSession:
 
         `security` comes from `supernode_security`; the SuperNode runs in `netns` when given
         and logs to `log_name` (default `supernode-<partition_id>.log`, appended to on restart).
+        With the warm executor, its executor starts beside it (same namespace; log
+        `warm-executor-<partition_id>.log`; in `self.executors[partition_id]`) and exits with it.
         """
+        port = free_port()
         command = supernode_command(
-            self.address, free_port(), partition_id, num_partitions, security=security, node_config=node_config
+            self.address,
+            port,
+            partition_id,
+            num_partitions,
+            security=security,
+            node_config=node_config,
+            executor=self.executor,
         )
-        return self.spawn(command, log_name or f"supernode-{partition_id}.log", netns=netns)
+        supernode = self.spawn(command, log_name or f"supernode-{partition_id}.log", netns=netns)
+        if self.executor == "warm":
+            self.executors[partition_id] = self.spawn(
+                warm_executor_command(port, supernode.pid), f"warm-executor-{partition_id}.log", netns=netns
+            )
+        return supernode
 
     def register_supernode(self, public_key: str | os.PathLike) -> int:
         """Register a SuperNode's public key (SuperNode authentication); returns its node id."""

@@ -3,37 +3,57 @@
 For each settings variant, one SuperLink and N SuperNodes run a short FedCat run (K = N: one hop
 of N parallel messages per round) and a short FedSeq run (N clients in one superclient: N
 sequential hops per round, plus the pre-training hop). The ServerApp (scripts/latency_app) logs
-each hop's wall time and the ClientApps' "train-seconds"; the rest of a hop is overhead.
+each hop's wall time and the ClientApps' "train-seconds"; the rest of a hop is overhead. Before
+submitting, the nodes' processes (SuperNodes with their SuperExec or warm executor) idle for
+`--idle-seconds`: their CPU use then is the cost of their polling. With the warm executor, each
+sequential hop is split further with the executor's task records (concatfl/warm_executor.py):
+until the task was claimed, inside the executor (by step), after its reply was handed over.
 Also measured in isolation: what a fresh ClientApp process pays before training (interpreter,
 imports), and serializing a train message.
 
     python scripts/deploy_latency.py --nodes 3 --rounds 2 --out results/deploy-latency.json
+    python scripts/deploy_latency.py --variants flower-defaults,warm-executor
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import psutil
 
 from concatfl.launch import PROJECT_DIR, FlowerSession
 from concatfl.metrics import read_metrics
+from concatfl.warm_executor import task_records
 
 APP = PROJECT_DIR / "scripts/latency_app"
 
-# name -> extra environment of every process. FLWR_SUPEREXEC_TASK_POLL_INTERVAL is Flower 1.42's
-# own setting (SuperExec's task polling, default 1 s); CONCATFL_PULL_INTERVAL sets how often the
-# ServerApp pulls replies (concatfl: 0.1 s; Flower's own Grid: 3 s; see scripts/latency_app).
-VARIANTS: dict[str, dict[str, str]] = {
-    "flower-defaults": {"CONCATFL_PULL_INTERVAL": "3"},
-    "server-pull-0.1s": {},
-    "server-pull-0.1s+superexec-poll-0.1s": {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"},
+
+
+class Variant(NamedTuple):
+    """Settings of one measured deployment: extra environment of every process, and how the
+    SuperNodes run ClientApps (concatfl.launch.EXECUTORS)."""
+
+    env: dict[str, str]
+    executor: str = "stock"
+
+
+# FLWR_SUPEREXEC_TASK_POLL_INTERVAL is Flower 1.42's own setting (SuperExec's task polling,
+# default 1 s); CONCATFL_PULL_INTERVAL sets how often the ServerApp pulls replies (concatfl:
+# 0.1 s; Flower's own Grid: 3 s; see scripts/latency_app). The warm executor polls every 0.1 s.
+VARIANTS: dict[str, Variant] = {
+    "flower-defaults": Variant({"CONCATFL_PULL_INTERVAL": "3"}),
+    "server-pull-0.1s": Variant({}),
+    "server-pull-0.1s+superexec-poll-0.1s": Variant({"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}),
+    "warm-executor": Variant({}, executor="warm"),
 }
 
 
@@ -47,14 +67,25 @@ def strategy_runs(nodes: int, rounds: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def measure_variant(name: str, env: dict[str, str], nodes: int, rounds: int, workdir: Path) -> dict[str, Any]:
+# pylint: disable=too-many-arguments,too-many-locals
+def measure_variant(
+    name: str, variant: Variant, nodes: int, rounds: int, idle_seconds: float, workdir: Path
+) -> dict[str, Any]:
     """Run both strategies under one settings variant; per-hop figures for each."""
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"load_average_before": os.getloadavg()}
     hop_log = workdir / "hops.jsonl"  # the ServerApp inherits the SuperLink's environment
     hop_log.touch()
-    with FlowerSession(workdir, simulation=False, env={**env, "CONCATFL_HOP_LOG": str(hop_log)}) as session:
-        for partition_id in range(nodes):
-            session.start_supernode(partition_id, nodes)
+    env = {**variant.env, "CONCATFL_HOP_LOG": str(hop_log)}
+    with FlowerSession(workdir, simulation=False, env=env, executor=variant.executor) as session:
+        node_processes = [session.start_supernode(partition_id, nodes) for partition_id in range(nodes)]
+        node_processes += session.executors.values()
+        deadline = time.monotonic() + 120
+        while sum(node["status"] == "online" for node in session.supernodes()) < nodes:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{nodes} SuperNodes were not online within 120 s")
+            time.sleep(1)
+        results["idle_cores"] = idle_cores(node_processes, idle_seconds)
+        print(f"{name:40s} idle: {results['idle_cores']:.3f} cores for {nodes} nodes", flush=True)
         for strategy, run_config in strategy_runs(nodes, rounds).items():
             logged_before = len(hop_log.read_text().splitlines())
             output = workdir / strategy
@@ -64,7 +95,70 @@ def measure_variant(name: str, env: dict[str, str], nodes: int, rounds: int, wor
             hops = [json.loads(line) for line in hop_log.read_text().splitlines()[logged_before:]]
             results[strategy] = summarize_hops(hops, read_metrics(output), time.perf_counter() - started)
             print(f"{name:40s} {strategy}: {results[strategy]['summary']}", flush=True)
+        if variant.executor == "warm":
+            tasks = [task for log in workdir.glob("warm-executor-*.log") for task in task_records(log.read_text())]
+            results["sequential_hop_parts"] = sequential_hop_parts(
+                [hop for strategy in strategy_runs(nodes, rounds) for hop in results[strategy]["hops"]], tasks
+            )
+            results["executor_tasks"] = tasks
+            print(f"{name:40s} sequential hop parts: {results['sequential_hop_parts']}", flush=True)
+    results["load_average_after"] = os.getloadavg()
     return results
+
+
+def idle_cores(processes: list[Any], seconds: float) -> float:
+    """CPU cores used by these processes and their descendants over `seconds` of idling."""
+
+    def cpu_seconds() -> float:
+        total = 0.0
+        for process in processes:
+            try:
+                root = psutil.Process(process.pid)
+                for member in [root, *root.children(recursive=True)]:
+                    times = member.cpu_times()
+                    total += times.user + times.system
+            except psutil.NoSuchProcess:
+                continue
+        return total
+
+    before = cpu_seconds()
+    time.sleep(seconds)
+    return round((cpu_seconds() - before) / seconds, 4)
+
+
+def sequential_hop_parts(hops: list[dict[str, Any]], tasks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean parts of the one-message hops, matched to the executor task that served each.
+
+    before_claim: from the hop's start until an executor claimed the task (ServerApp push,
+    SuperNode's idle poll and message download, executor's poll); executor steps (pull, load,
+    app minus training, push; "handover" is the rest of the claim-to-report time); training;
+    after_report: until the ServerApp had the reply (SuperNode's reply wait and upload,
+    ServerApp's pull).
+    """
+    parts: dict[str, list[float]] = {}
+    for hop in hops:
+        if hop["messages"] != 1 or len(hop["train_seconds"]) != 1:
+            continue
+        started = hop["ended_at"] - hop["seconds"]
+        served = [t for t in tasks if t["steps"] and started <= t["claimed_at"] <= hop["ended_at"]]
+        if len(served) != 1:
+            continue
+        task, train = served[0], hop["train_seconds"][0]
+        steps = {step: task["steps"].get(step, 0.0) for step in ("connect", "pull", "load", "app", "push")}
+        measured = {
+            "hop": hop["seconds"],
+            "before_claim": task["claimed_at"] - started,
+            "executor_pull": steps["connect"] + steps["pull"],
+            "executor_load": steps["load"],
+            "training": train,
+            "app_besides_training": steps["app"] - train,
+            "executor_push": steps["push"],
+            "handover": task["seconds"] - sum(steps.values()),
+            "after_report": hop["ended_at"] - (task["claimed_at"] + task["seconds"]),
+        }
+        for key, value in measured.items():
+            parts.setdefault(key, []).append(value)
+    return {"hops": len(parts.get("hop", []))} | {key: round(statistics.mean(v), 3) for key, v in parts.items()}
 
 
 def summarize_hops(hops: list[dict[str, Any]], metrics: dict[str, Any], wall: float) -> dict[str, Any]:
@@ -72,17 +166,37 @@ def summarize_hops(hops: list[dict[str, Any]], metrics: dict[str, Any], wall: fl
     seconds = [hop["seconds"] for hop in hops]
     training = [max(hop["train_seconds"], default=0.0) for hop in hops]
     overhead = [s - t for s, t in zip(seconds, training)]
+    sequential = [(s, t) for hop, s, t in zip(hops, seconds, training) if hop["messages"] == 1]
     return {
         "hops": hops,
         "mean_hop_seconds": round(statistics.mean(seconds), 2),
         "mean_train_seconds": round(statistics.mean(training), 2),
         "mean_overhead_seconds": round(statistics.mean(overhead), 2),
+        "sequential_hops": sequential_summary(sequential),
         "run_wall_seconds": round(wall, 1),
         "metrics_wall_seconds": metrics["wall_seconds"],
         "summary": (
             f"{len(hops)} hops, hop {statistics.mean(seconds):.2f} s = train {statistics.mean(training):.2f} s"
-            f" + overhead {statistics.mean(overhead):.2f} s (run {wall:.0f} s)"
+            f" + overhead {statistics.mean(overhead):.2f} s (run {wall:.0f} s); one-message hops:"
+            f" {sequential_summary(sequential) or 'none'}"
         ),
+    }
+
+
+def sequential_summary(hops: list[tuple[float, float]]) -> dict[str, float]:
+    """Mean, std and min of the one-message hops (seconds, training seconds); {} when none."""
+    if not hops:
+        return {}
+    seconds, training = [s for s, _ in hops], [t for _, t in hops]
+    overhead = [s - t for s, t in hops]
+    return {
+        "count": len(hops),
+        "mean": round(statistics.mean(seconds), 2),
+        "std": round(statistics.pstdev(seconds), 2),
+        "min": round(min(seconds), 2),
+        "mean_train": round(statistics.mean(training), 2),
+        "mean_overhead": round(statistics.mean(overhead), 2),
+        "std_overhead": round(statistics.pstdev(overhead), 2),
     }
 
 
@@ -130,8 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    parser.add_argument("--idle-seconds", type=float, default=20.0, help="idle time over which node CPU is measured")
     parser.add_argument("--out", default="results/deploy-latency.json")
     args = parser.parse_args(argv)
+    unknown = [name for name in args.variants.split(",") if name not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     report: dict[str, Any] = {
         "nodes": args.nodes,
         "rounds": args.rounds,
@@ -142,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: report[k] for k in ("client_process_start_seconds", "train_message")}, indent=1), flush=True)
     for name in args.variants.split(","):
         with tempfile.TemporaryDirectory(prefix="cfl-latency-") as workdir:
-            report["variants"][name] = measure_variant(name, VARIANTS[name], args.nodes, args.rounds, Path(workdir))
+            report["variants"][name] = measure_variant(
+                name, VARIANTS[name], args.nodes, args.rounds, args.idle_seconds, Path(workdir)
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -7,6 +7,7 @@ Every deployment test runs real `flower-superlink`/`flower-supernode` processes 
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -23,6 +24,10 @@ T = TypeVar("T")
 # Flower 1.42's one latency setting (see docs/deployment.md): the SuperExec asks for new tasks every
 # 0.1 s instead of every 1 s. Deployment tests use it because every hop pays that delay.
 FAST_POLLING = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}
+
+# How the deployment tests' SuperNodes run ClientApps (concatfl.launch.EXECUTORS): Flower's own
+# SuperExec by default; CONCATFL_DEPLOY_EXECUTOR=warm runs them with concatfl's warm executor.
+DEPLOY_EXECUTOR = os.environ.get("CONCATFL_DEPLOY_EXECUTOR", "stock")
 
 # A short deployed run on digits: hops take 10-40 s on a loaded 2-core machine (one ClientApp
 # process, importing torch, per message), so the timeout leaves room for a slow but healthy node.

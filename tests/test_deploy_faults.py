@@ -24,6 +24,7 @@ from concatfl.strategies.common import reply_problem
 from .deploy import (
     DEPLOY_RUN,
     Node,
+    DEPLOY_EXECUTOR,
     FAST_POLLING,
     kill_hard,
     log_count,
@@ -81,6 +82,7 @@ def _secure_session(tmp_path, num_supernodes):
         superlink_args=superlink_security(certificates, supernode_auth=True),
         root_certificates=certificates.ca_cert,
         env=FAST_POLLING,
+        executor=DEPLOY_EXECUTOR,
     )
     return certificates, session
 

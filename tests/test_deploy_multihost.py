@@ -12,7 +12,7 @@ import pytest
 from concatfl.launch import FlowerSession, superlink_security, supernode_security
 from concatfl.metrics import read_metrics
 
-from .deploy import DEPLOY_RUN, FAST_POLLING, make_certificates, online_node_ids, wait_for
+from .deploy import DEPLOY_EXECUTOR, DEPLOY_RUN, FAST_POLLING, make_certificates, online_node_ids, wait_for
 from .e2e import leftover_processes
 
 pytestmark = pytest.mark.e2e
@@ -63,6 +63,7 @@ def test_fedcat_across_two_network_namespaces(tmp_path, two_hosts):
         superlink_netns=server_ns,
         cli_netns=client_ns,  # the CLI submits from the client host, over the veth pair
         env=FAST_POLLING,
+        executor=DEPLOY_EXECUTOR,
     ) as session:
         for partition_id in range(2):
             session.start_supernode(partition_id, 2, security=supernode_security(certificates.ca_cert), netns=client_ns)

@@ -18,7 +18,7 @@ import pytest
 from concatfl.launch import CONNECTION, PROJECT_DIR, FlowerSession, free_port, superlink_security, supernode_security
 from concatfl.metrics import read_metrics
 
-from .deploy import DEPLOY_RUN, FAST_POLLING, Node, make_certificates, online_node_ids, start_authenticated_node, wait_for
+from .deploy import DEPLOY_EXECUTOR, DEPLOY_RUN, FAST_POLLING, Node, make_certificates, online_node_ids, start_authenticated_node, wait_for
 from .e2e import leftover_processes
 
 pytestmark = pytest.mark.e2e
@@ -34,6 +34,7 @@ def test_tls_with_supernode_authentication_admits_only_registered_nodes(tmp_path
         superlink_args=(*superlink_security(certificates, supernode_auth=True), f"--health-server-address={health}"),
         root_certificates=certificates.ca_cert,
         env=FAST_POLLING,
+        executor=DEPLOY_EXECUTOR,
     ) as session:
         assert _healthcheck(health) == 0
         assert _healthcheck(f"127.0.0.1:{free_port()}") == 1  # nothing serves there

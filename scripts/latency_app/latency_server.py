@@ -1,8 +1,8 @@
 """concatfl's ServerApp with two measurement hooks, configured by environment variables
 (set on the SuperLink, inherited by the ServerApp process):
 
-CONCATFL_HOP_LOG=<file>: append one JSON line per hop: wall seconds, messages, and the
-    ClientApps' "train-seconds" (time inside the training loop).
+CONCATFL_HOP_LOG=<file>: append one JSON line per hop: wall seconds, Unix time it ended,
+    messages, and the ClientApps' "train-seconds" (time inside the training loop).
 CONCATFL_PULL_INTERVAL=<seconds>: poll for replies at this interval instead of concatfl's 0.1 s
     (`StableNodeGrid`); 3 reproduces Flower 1.42's own `Grid.send_and_receive`.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from functools import partial
 
 import concatfl.server_app as server_app
@@ -27,8 +28,9 @@ def logged_relay(grid, requests, timeout):  # type: ignore[no-untyped-def]
     """concatfl's relay, logging the hop's wall time and the replies' train-seconds."""
     hop = _relay(grid, requests, timeout)
     train_seconds = [float(reply.metrics["train-seconds"]) for reply in hop.replies if "train-seconds" in reply.metrics]
+    record = {"seconds": hop.seconds, "ended_at": time.time(), "messages": len(requests), "train_seconds": train_seconds}
     with open(os.environ["CONCATFL_HOP_LOG"], "a", encoding="utf-8") as handle:
-        handle.write(json.dumps({"seconds": hop.seconds, "messages": len(requests), "train_seconds": train_seconds}) + "\n")
+        handle.write(json.dumps(record) + "\n")
     return hop
 
 

@@ -1,0 +1,169 @@
+"""concatfl's warm ClientApp executor (concatfl/warm_executor.py) with real Flower processes.
+
+Each deployment runs a real SuperLink and SuperNodes (`--isolation process`) with a warm
+executor beside every SuperNode; tests/apps/stateful scripts the messages (count in
+`context.state`, raise, crash) and reports the ClientApp's process id with every reply.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from concatfl.launch import PROJECT_DIR, FlowerSession, warm_executor_command
+from concatfl.metrics import read_metrics
+from concatfl.warm_executor import (
+    AppRef,
+    TaskReport,
+    UntestedFlowerVersion,
+    check_flower_version,
+    parse_args,
+    task_records,
+)
+
+from .deploy import DEPLOY_RUN, FAST_POLLING, log_count, online_node_ids, wait_for
+from .e2e import leftover_processes
+
+STATEFUL_APP = PROJECT_DIR / "tests/apps/stateful"
+# Flower's reply for a task whose process stopped sending heartbeats.
+CRASHED = "ClientApp stopped responding."
+
+
+def test_an_untested_flower_version_is_refused_with_the_way_out():
+    check_flower_version("1.42.0")
+    with pytest.raises(UntestedFlowerVersion, match=r"flwr 1\.43\.0 is installed.*--isolation subprocess"):
+        check_flower_version("1.43.0")
+
+
+def test_bad_arguments_name_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--runtime-api-address", "127.0.0.1:9094"])
+    assert "--root-certificates is required unless --insecure" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--runtime-api-address", "127.0.0.1:9094", "--insecure", "--poll-interval", "0"])
+    assert "--poll-interval must be between 0.01 and 60 seconds, got 0.0" in capsys.readouterr().err
+
+
+def test_task_reports_and_records_survive_their_text_form():
+    report = TaskReport("completed", AppRef("concatfl/app", "0.1.0", "ab12"), {"pull": 0.01, "app": 1.5})
+    assert TaskReport.from_json(report.to_json()) == report
+    assert TaskReport.from_json(TaskReport("failed", None, {}).to_json()).app is None
+    log_text = "\x1b[92mINFO \x1b[0m:      [warm-executor] task record {\"task\": 7, \"status\": \"completed\"}\nother line\n"
+    assert task_records(log_text) == [{"task": 7, "status": "completed"}]
+
+
+def test_the_launcher_starts_the_executor_as_a_module_that_exits_with_its_supernode():
+    command = warm_executor_command(9094, 4321)
+    assert command[1:3] == ["-m", "concatfl.warm_executor"]
+    assert parse_args(command[3:]).parent_pid == 4321
+    with pytest.raises(ValueError, match="executor must be one of stock, warm, got 'hot'"):
+        FlowerSession(Path("/tmp"), simulation=False, executor="hot")
+
+
+def run_plan(session: FlowerSession, plan: str, output: Path, app_dir: Path = STATEFUL_APP) -> list[dict]:
+    """Submit the stateful app with `plan` and return partition 0's replies."""
+    run_id = session.submit({"plan": plan, "reply-timeout": 120.0, "output-dir": str(output)}, app_dir=app_dir)
+    session.wait(run_id, timeout=600)
+    return json.loads((output / "replies.json").read_text())["0"]
+
+
+def one_node_session(workdir: Path, executor: str) -> FlowerSession:
+    """A SuperLink and partition 0 of 1 (started on entering), with `executor`."""
+    return FlowerSession(workdir, simulation=False, executor=executor, env=FAST_POLLING)
+
+
+def start_node(session: FlowerSession) -> None:
+    session.start_supernode(0, 1)
+    wait_for(lambda: len(online_node_ids(session)) == 1, 90, "the SuperNode online")
+
+
+def without_process_facts(replies: list[dict]) -> list[dict]:
+    return [{key: value for key, value in reply.items() if key not in ("pid", "rss")} for reply in replies]
+
+
+@pytest.mark.e2e
+def test_state_and_error_replies_are_those_of_the_stock_executor(tmp_path):
+    plan = "count,raise,count,count"
+    results = {}
+    for executor in ("stock", "warm"):
+        with one_node_session(tmp_path / executor, executor) as session:
+            start_node(session)
+            results[executor] = run_plan(session, plan, tmp_path / executor / "output")
+    # As with flwr-clientapp, the Context is pushed back after a ClientApp exception too: the
+    # counter went on to 2 before the raise, and the run went on.
+    expected = [
+        {"action": "count", "count": 1, "version": 1},
+        {"action": "raise", "error": "<class 'RuntimeError'>:<'raised on purpose at message 2'>"},
+        {"action": "count", "count": 3, "version": 1},
+        {"action": "count", "count": 4, "version": 1},
+    ]
+    assert without_process_facts(results["stock"]) == expected
+    assert without_process_facts(results["warm"]) == expected
+    # Stock: a new process per message. Warm: one process served them all.
+    stock_pids = [reply["pid"] for reply in results["stock"] if "pid" in reply]
+    warm_pids = {reply["pid"] for reply in results["warm"] if "pid" in reply}
+    assert len(set(stock_pids)) == len(stock_pids) == 3 and len(warm_pids) == 1
+    assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.e2e
+def test_a_crashed_worker_is_replaced_and_a_new_app_version_gets_a_fresh_worker(tmp_path):
+    new_version = tmp_path / "stateful-v2"
+    shutil.copytree(STATEFUL_APP, new_version)
+    module = new_version / "stateful_app.py"
+    module.write_text(module.read_text().replace("VERSION = 1", "VERSION = 2"))
+    with one_node_session(tmp_path, "warm") as session:
+        start_node(session)
+        first = run_plan(session, "count,count,exit,count,count", tmp_path / "v1")
+        second = run_plan(session, "count", tmp_path / "v2", app_dir=new_version)
+        executor_log = tmp_path / "warm-executor-0.log"
+        assert [task["status"] for task in task_records(executor_log.read_text())].count("worker died") == 1
+        assert log_count(executor_log, "New app version") == 1
+    # The crashed task gets Flower's own error reply; the counter lives in the SuperNode, so it
+    # goes on in the new worker (the crashed task pushed no Context: 3 is not counted).
+    assert without_process_facts(first) == [
+        {"action": "count", "count": 1, "version": 1},
+        {"action": "count", "count": 2, "version": 1},
+        {"action": "exit", "error": CRASHED},
+        {"action": "count", "count": 3, "version": 1},
+        {"action": "count", "count": 4, "version": 1},
+    ]
+    before, after = {r["pid"] for r in first[:2]}, {r["pid"] for r in first[3:]}
+    assert len(before) == len(after) == 1 and before != after
+    # A new run of a changed app: the new code runs, in another process.
+    assert without_process_facts(second) == [{"action": "count", "count": 1, "version": 2}]
+    assert second[0]["pid"] not in after
+    assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.e2e
+def test_a_fedseq_job_completes_with_one_warm_process_per_supernode(tmp_path):
+    output = tmp_path / "output"
+    config = {
+        **DEPLOY_RUN,
+        "strategy": "fedseq",
+        "fedseq-pretrain-epochs": 1,
+        "fedseq-min-samples": 100_000,  # one superclient: a chain over both nodes
+        "num-server-rounds": 2,
+        "output-dir": str(output),
+    }
+    with FlowerSession(tmp_path, simulation=False, executor="warm", env=FAST_POLLING) as session:
+        for partition_id in range(2):
+            session.start_supernode(partition_id, 2)
+        wait_for(lambda: len(online_node_ids(session)) == 2, 90, "both SuperNodes online")
+        session.wait(session.submit(config), timeout=900)
+    metrics = read_metrics(output)
+    for record in metrics["rounds"]:
+        chain = record["superclients"][0]
+        assert len(chain["order"]) == 2 and chain["trained_hops"] == 2 and chain["missed"] == []
+    assert metrics["final_accuracy"] > metrics["initial"]["accuracy"]
+    for partition_id in range(2):
+        received = log_count(tmp_path / f"supernode-{partition_id}.log", "Receiving: ")
+        tasks = task_records((tmp_path / f"warm-executor-{partition_id}.log").read_text())
+        assert received >= 4 and len(tasks) == received  # identity, pre-training, two chain hops
+        assert {task["status"] for task in tasks} == {"completed"}
+        assert len({task["worker_pid"] for task in tasks}) == 1
+    assert leftover_processes(tmp_path) == []
