@@ -28,8 +28,9 @@ def test_summary_is_a_few_lines_of_parameters(name):
     lines = _strategy(name).summary_lines()
     text = "\n".join(lines)
 
-    # The longest parameter list (FedSeq's 20) fits 4 lines of 100 characters.
-    assert 1 <= len(lines) <= 4 and all(len(line) <= 100 for line in lines)
+    # The longest parameter lists (FedSeq's and FedConcat's, about 20 each) fit 5 lines of 100
+    # characters; the full server environment used to take ~350.
+    assert 1 <= len(lines) <= 5 and all(len(line) <= 100 for line in lines)
     assert "seed=0" in text and "round_timeout=" in text
     # never data, models or functions; never empty internal state (plans, caches, records)
     assert "tensor" not in text and "<function" not in text and "<bound method" not in text
