@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Any
@@ -261,6 +261,16 @@ def weighted_average(records: Sequence[ArrayRecord], weights: Sequence[float]) -
         rounded = np.rint(mean) if np.issubdtype(dtype, np.integer) else mean
         averaged[key] = Array(np.asarray(rounded, dtype=dtype))  # 0-d stays an array (num_batches_tracked)
     return ArrayRecord(averaged)
+
+
+def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """An ArrayRecord's arrays as numpy, by key (what strategies compute on and checkpoint)."""
+    return {key: array.numpy() for key, array in record.items()}
+
+
+def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """Numpy arrays by key as an ArrayRecord (same key order)."""
+    return ArrayRecord({key: Array(np.asarray(value)) for key, value in arrays.items()})
 
 
 def train_content(arrays: ArrayRecord, config: dict[str, Any]) -> RecordDict:

@@ -11,7 +11,7 @@ from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
@@ -28,7 +28,16 @@ from ..core.fedcat import (
     select_random,
 )
 from .base import EvaluateFn, RelayStrategy
-from .common import NUM_EXAMPLES_KEY, HopResult, Request, live_node_ids, train_content, weighted_average
+from .common import (
+    NUM_EXAMPLES_KEY,
+    HopResult,
+    Request,
+    live_node_ids,
+    to_numpy,
+    to_record,
+    train_content,
+    weighted_average,
+)
 from .feddyn import FedDynServer, from_config as feddyn_from_config
 from .sequential import DEFAULT_HOP_CLIP, DEFAULT_HOP_STEP, ChainGuard
 
@@ -247,11 +256,9 @@ class FedCat(RelayStrategy):
             "groups": [list(group) for group in self._groups],
             "counts": self._counts.state_dict(),
             "selected": list(self._selected),
-            "copies": [{key: array.numpy() for key, array in copy.items()} for copy in self._copies],
+            "copies": [to_numpy(copy) for copy in self._copies],
             "data_sizes": self._data_sizes.copy(),
-            "cycle_start": None
-            if self._cycle_start is None
-            else {key: array.numpy() for key, array in self._cycle_start.items()},
+            "cycle_start": None if self._cycle_start is None else to_numpy(self._cycle_start),
             "guard": self.guard.state_dict(),
         }
         if self.feddyn is not None:
@@ -267,14 +274,10 @@ class FedCat(RelayStrategy):
         self._groups = [[int(node) for node in group] for group in saved["groups"]]
         self._counts = CountTable.from_state(saved["counts"])
         self._selected = [int(node) for node in saved["selected"]]
-        self._copies = [
-            ArrayRecord({key: Array(np.array(value)) for key, value in copy.items()}) for copy in saved["copies"]
-        ]
+        self._copies = [to_record(copy) for copy in saved["copies"]]
         self._data_sizes = np.array(saved["data_sizes"], dtype=np.int64)
         start = saved.get("cycle_start")
-        self._cycle_start = (
-            None if start is None else ArrayRecord({key: Array(np.array(value)) for key, value in start.items()})
-        )
+        self._cycle_start = None if start is None else to_record(start)
         self.guard.load_state_dict(saved["guard"])
         if self.feddyn is not None:
             self.feddyn.load_state_dict(state["feddyn"])

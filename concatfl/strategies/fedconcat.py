@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
@@ -80,6 +80,8 @@ from .common import (
     Request,
     live_node_ids,
     sample_nodes,
+    to_numpy,
+    to_record,
     train_content,
     weighted_average,
 )
@@ -731,12 +733,12 @@ class FedConcat(RelayStrategy):
         state = super().state_dict()
         state["fedconcat"] = {
             "assignment": dict(self.assignment),
-            "cluster_models": [_to_numpy(model) for model in self.cluster_models],
+            "cluster_models": [to_numpy(model) for model in self.cluster_models],
             "cluster_updates": list(self.cluster_updates),
             "cluster_feddyn": [server.state_dict() for server in self.cluster_feddyn],
-            "encoders": None if self.encoders is None else _to_numpy(self.encoders),
+            "encoders": None if self.encoders is None else to_numpy(self.encoders),
             "encoders_id": self.encoders_id,
-            "classifier": None if self.classifier is None else _to_numpy(self.classifier),
+            "classifier": None if self.classifier is None else to_numpy(self.classifier),
             "cached": sorted(self.cached),
             "bytes_by_stage": copy.deepcopy(self.bytes_by_stage),
         }
@@ -747,15 +749,15 @@ class FedConcat(RelayStrategy):
         super().load_state_dict(state)
         saved = state["fedconcat"]
         self.assignment = {int(node): int(cluster) for node, cluster in saved["assignment"].items()}
-        self.cluster_models = [_from_numpy(arrays) for arrays in saved["cluster_models"]]
+        self.cluster_models = [to_record(arrays) for arrays in saved["cluster_models"]]
         self.cluster_updates = list(saved["cluster_updates"])
         if self.feddyn is not None:
             self.cluster_feddyn = self._fresh_cluster_feddyn(len(saved["cluster_feddyn"]))
             for server, server_state in zip(self.cluster_feddyn, saved["cluster_feddyn"]):
                 server.load_state_dict(server_state)
-        self.encoders = None if saved["encoders"] is None else _from_numpy(saved["encoders"])
+        self.encoders = None if saved["encoders"] is None else to_record(saved["encoders"])
         self.encoders_id = saved["encoders_id"]
-        self.classifier = None if saved["classifier"] is None else _from_numpy(saved["classifier"])
+        self.classifier = None if saved["classifier"] is None else to_record(saved["classifier"])
         self.cached = set(saved["cached"])
         self.bytes_by_stage = copy.deepcopy(saved["bytes_by_stage"])
 
@@ -771,14 +773,6 @@ def fingerprint(arrays: ArrayRecord) -> str:
 
 def _shapes(arrays: ArrayRecord) -> dict[str, tuple[int, ...]]:
     return {key: tuple(int(d) for d in array.shape) for key, array in arrays.items()}
-
-
-def _to_numpy(arrays: ArrayRecord) -> dict[str, np.ndarray]:
-    return {key: array.numpy() for key, array in arrays.items()}
-
-
-def _from_numpy(arrays: dict[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({key: Array(np.asarray(value)) for key, value in arrays.items()})
 
 
 def build(config: RunConfig, env: ServerEnv) -> FedConcat:

@@ -25,6 +25,8 @@ import torch
 from flwr.app import Array, ArrayRecord
 from torch import nn
 
+from .common import to_numpy
+
 if TYPE_CHECKING:
     from ..config import RunConfig
     from ..runtime import ServerEnv
@@ -93,12 +95,12 @@ class FedDynServer:
         self, previous: ArrayRecord, models: Sequence[ArrayRecord], average: ArrayRecord, num_clients: int
     ) -> ArrayRecord:
         """Update h from the models trained since `previous` and return the corrected global model."""
-        before = _numpy(previous)
+        before = to_numpy(previous)
         if not self.h:
             keys = self.keys or [k for k, v in before.items() if np.issubdtype(v.dtype, np.floating)]
             self.h = {key: np.zeros_like(before[key]) for key in keys}
         model, self.h = feddyn_server_update(
-            before, [_numpy(m) for m in models], _numpy(average), self.h, self.alpha, num_clients
+            before, [to_numpy(m) for m in models], to_numpy(average), self.h, self.alpha, num_clients
         )
         return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in model.items()})
 
@@ -114,10 +116,6 @@ class FedDynServer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
         self.h = {key: np.asarray(value) for key, value in state["h"].items()}
-
-
-def _numpy(arrays: ArrayRecord) -> State:
-    return {key: array.numpy() for key, array in arrays.items()}
 
 
 def from_config(config: RunConfig, env: ServerEnv) -> FedDynServer | None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
@@ -37,6 +37,8 @@ from .common import (
     Reply,
     Request,
     live_node_ids,
+    to_numpy,
+    to_record,
     train_content,
     weighted_average,
 )
@@ -343,7 +345,7 @@ class FedSeq(RelayStrategy):
             return np.stack(vectors), {"exemplars": len(self._exemplars)}
         layers = sc.select_fc_layers(fc_layer_names(module), self.clf_layers)
         weights = np.stack(
-            [sc.classifier_vector({key: array.numpy() for key, array in arrays.items()}, layers) for arrays in models]
+            [sc.classifier_vector(to_numpy(arrays), layers) for arrays in models]
         )
         reduced, explained = sc.reduce_pca(weights, seed=int(self.rng.integers(2**31)))
         return reduced, {
@@ -621,20 +623,20 @@ class FedSeqInter(FedSeq):
         """FedSeq's state plus the slot models, their counters and the aggregation clock."""
         return {
             **super().state_dict(),
-            "slots": [{key: array.numpy() for key, array in slot.items()} for slot in self._slots],
+            "slots": [to_numpy(slot) for slot in self._slots],
             "slot_samples": list(self.slot_samples),
             "rounds_since_average": self.rounds_since_average,
-            "slot_start": None if self._slot_start is None else {k: a.numpy() for k, a in self._slot_start.items()},
+            "slot_start": None if self._slot_start is None else to_numpy(self._slot_start),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s output."""
         super().load_state_dict(state)
-        self._slots = [ArrayRecord({key: Array(np.asarray(v)) for key, v in slot.items()}) for slot in state["slots"]]
+        self._slots = [to_record(slot) for slot in state["slots"]]
         self.slot_samples = [float(n) for n in state["slot_samples"]]
         self.rounds_since_average = int(state["rounds_since_average"])
         start = state.get("slot_start")
-        self._slot_start = None if start is None else ArrayRecord({k: Array(np.asarray(v)) for k, v in start.items()})
+        self._slot_start = None if start is None else to_record(start)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

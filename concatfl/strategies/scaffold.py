@@ -35,6 +35,7 @@ from .common import (
     live_node_ids,
     reply_problem,
     sample_nodes,
+    to_numpy,
     train_content,
 )
 from .fedavg import sample_count
@@ -160,10 +161,10 @@ class Scaffold(RelayStrategy):
         if not hop.replies:
             return None, None
         model, control = scaffold_server_update(
-            _numpy(self._sent),
-            _numpy(self.control),
-            [_numpy(reply.arrays) for reply in hop.replies],
-            [_numpy(reply.content.array_records[CONTROL_KEY]) for reply in hop.replies],
+            to_numpy(self._sent),
+            to_numpy(self.control),
+            [to_numpy(reply.arrays) for reply in hop.replies],
+            [to_numpy(reply.content.array_records[CONTROL_KEY]) for reply in hop.replies],
             self.server_lr,
             self._num_nodes,
         )
@@ -173,7 +174,7 @@ class Scaffold(RelayStrategy):
 
     def state_dict(self) -> dict[str, Any]:
         """Base state plus c."""
-        return {**super().state_dict(), "control": None if self.control is None else _numpy(self.control)}
+        return {**super().state_dict(), "control": None if self.control is None else to_numpy(self.control)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
@@ -192,13 +193,9 @@ def control_problem(content: RecordDict, control: ArrayRecord) -> str | None:
 
 
 def _zeros(arrays: ArrayRecord, keys: Sequence[str] | None) -> ArrayRecord:
-    model = _numpy(arrays)
+    model = to_numpy(arrays)
     chosen = keys if keys is not None else [k for k, v in model.items() if np.issubdtype(v.dtype, np.floating)]
     return _record({key: np.zeros_like(model[key]) for key in chosen})
-
-
-def _numpy(arrays: ArrayRecord) -> State:
-    return {key: array.numpy() for key, array in arrays.items()}
 
 
 def _record(values: Mapping[str, np.ndarray]) -> ArrayRecord:

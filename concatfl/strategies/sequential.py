@@ -18,26 +18,17 @@ from logging import WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, MetricRecord
+from flwr.app import ArrayRecord, MetricRecord
 from flwr.supercore import log
 
 from ..core.sequential import REFERENCE_HOPS, damp, diverged, divergence, hop_step_size, reference_length, update_norm
+from .common import to_numpy, to_record
 
 Evaluate = Callable[[ArrayRecord], MetricRecord | None]
 # The step and bound FedCat and FedSeq use unless told otherwise (docs/results.md, the
 # sequential-stability map, gives the evidence; docs/strategies.md the reasoning).
 DEFAULT_HOP_STEP = 0.5
 DEFAULT_HOP_CLIP = 1.5
-
-
-def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
-    """An ArrayRecord's arrays as numpy, by key."""
-    return {key: array.numpy() for key, array in record.items()}
-
-
-def to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
-    """Numpy arrays by key as an ArrayRecord (same key order)."""
-    return ArrayRecord({key: Array(np.asarray(value)) for key, value in arrays.items()})
 
 
 class ChainGuard:
