@@ -434,10 +434,11 @@ class FlowerSession:
 
 # Lines of Flower's run log that say nothing about this run: Flower 1.42 warns about the changed
 # default federation size on every simulation, even when the size is given (as the launcher always
-# does), reports installing the app into the launcher's private FLWR_HOME, and ends with an empty
-# log line.
+# does), reports installing the app into the launcher's private FLWR_HOME, ends with an empty
+# log line, and (depending on timing) reports Ray stopping its client actors after the run.
 NOISE = re.compile(
     r"INFO[^:]*:\s*$"
+    r"|Manually terminating ClientAppActor"
     r"|Since flwr 1\.32, default simulated SuperNodes changed"
     r"|To change federation size, use the following command"
     r"|flwr federation simulation-config"

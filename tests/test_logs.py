@@ -67,6 +67,7 @@ Successfully installed concatfl to /tmp/h2demo/flwr-home/apps/concatfl.concatfl.
 \x1b[92mINFO \x1b[0m:      [ROUND 1/20] accuracy 0.2694, loss 2.2321, sent 2.24 MB, received 2.24 MB, 2.71 s
 \x1b[92mINFO \x1b[0m:      final accuracy 0.9222; metrics written to /tmp/h2demo/output/metrics.json
 \x1b[92mINFO \x1b[0m:      
+\x1b[36m(ClientAppActor pid=2651)\x1b[0m \x1b[93mWARNING \x1b[0m:   Manually terminating ClientAppActor
 """
 
 
