@@ -187,16 +187,21 @@ class StableNodeGrid(Grid):
         """Flower's send_and_receive on Flower node ids, polling every `pull_interval` seconds.
 
         Replies come back in the order of the messages they answer, whatever order they arrive
-        in, so that aggregations sum in the same order in every run (and in a resumed one)."""
+        in, so that aggregations sum in the same order in every run (and in a resumed one).
+
+        The last pull starts after the deadline: a pull can itself take long (Flower retries the
+        objects of a reply whose sender died mid-upload with a growing backoff), and replies
+        that arrived meanwhile were in time."""
         position = {message_id: i for i, message_id in enumerate(self.grid.push_messages(messages)) if message_id}
         pending = set(position)
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
         while pending:
+            past_deadline = deadline is not None and time.monotonic() >= deadline
             pulled = list(self.grid.pull_messages(list(pending)))
             replies.extend(pulled)
             pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
-            if not pending or (deadline is not None and time.monotonic() >= deadline):
+            if not pending or past_deadline:
                 break
             time.sleep(self.pull_interval)
         return sorted(replies, key=lambda reply: position.get(reply.metadata.reply_to_message_id, len(position)))

@@ -73,6 +73,31 @@ def test_replies_are_polled_until_the_timeout_and_a_missing_one_is_left_out():
 
 
 
+def test_replies_that_arrive_while_a_slow_pull_overruns_the_deadline_are_taken():
+    # Flower's grid retries the objects of a reply whose sender died mid-upload with a growing
+    # backoff: that pull returns after the deadline, when the other node's reply is there.
+    fake = FakeGrid({BIG_IDS[1]: _identity_node(0), BIG_IDS[2]: _identity_node(1)})
+    grid = StableNodeGrid(fake, pull_interval=0.05)
+    list(grid.get_node_ids())
+    fake.handlers[BIG_IDS[2]] = lambda message: Later(reply_with(message, RecordDict()), 0.3)
+    pull = fake.pull_messages
+    pulls = []
+
+    def slow_first_pull(message_ids):
+        pulls.append(time.monotonic())
+        if len(pulls) == 1:
+            time.sleep(0.6)  # past the 0.5 s deadline, with nothing pulled
+            return []
+        return pull(message_ids)
+
+    fake.pull_messages = slow_first_pull
+    fake.handlers[BIG_IDS[1]] = lambda message: Later(reply_with(message, RecordDict()), 0.3)
+    sent = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN) for node in (0, 1)]
+    replies = list(grid.send_and_receive(sent, timeout=0.5))
+    assert len(pulls) == 2  # one more pull after the deadline, then no more
+    assert [reply.metadata.src_node_id for reply in replies] == [0, 1]
+
+
 def test_a_node_answering_within_the_limit_is_waited_for():
     fake = FakeGrid({BIG_IDS[1]: _identity_node(0), BIG_IDS[2]: _identity_node(1, answer_after=0.4)})
     grid = StableNodeGrid(fake, identify_timeout=5.0, pull_interval=0.05)
