@@ -1,24 +1,50 @@
 # One image for every concatfl container. In Flower's default `subprocess` isolation the SuperLink
 # runs the ServerApp and each SuperNode runs the ClientApp as subprocesses, so all of them need
-# concatfl and its dependencies (this is what Flower's Docker guide does by extending the
-# flwr/superlink and flwr/supernode images with the app's dependencies, through concatfl's install
-# script, which pins torch first). The image also carries the `flwr` CLI (services `register` and
-# `submit`).
-FROM python:3.11-slim
-WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY scripts ./scripts
-COPY concatfl ./concatfl
-# TORCH_VERSION may name a CUDA build for GPU hosts (see docs/deployment.md, "GPUs").
+# concatfl and its dependencies (Flower's Docker guide extends its images with the app's
+# dependencies the same way). The image also carries the `flwr` CLI (services `register` and
+# `submit`) and concatfl's warm ClientApp executor (deploy/supernode.sh).
+#
+#   docker build -t concatfl:0.1.0 .                     # from the package index (needs internet)
+#   deploy/build-images.sh                               # offline: local base image and wheelhouse
+#
+# BASE_IMAGE: any Debian-like image with python3 (3.11+) and its venv module. TORCH_VERSION may
+# name a CUDA build for GPU hosts (see docs/deployment.md, "GPUs"); CPU wheels by default.
+ARG BASE_IMAGE=python:3.11-slim
+
+# Build stage: the virtual environment, with the dependencies pyproject.toml declares except Ray
+# (flwr[simulation] becomes flwr: containers run real SuperLinks and SuperNodes, never Ray's
+# simulation; 220 MB less). deploy/wheelhouse/ (filled by deploy/build-images.sh)
+# holds every wheel needed; when it has none, pip uses the package index. The wheelhouse stays in
+# this stage: the final image copies only the environment.
+FROM ${BASE_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
-RUN PYTHON=python3 TORCH_VERSION=${TORCH_VERSION} bash scripts/install.sh \
-    && rm -rf /root/.cache/pip
-COPY deploy/healthcheck.py deploy/register-supernodes.sh ./deploy/
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+WORKDIR /app
+COPY deploy/wheelhouse /wheelhouse
+COPY pyproject.toml README.md ./
+RUN set -e; \
+    if ls /wheelhouse/*.whl >/dev/null 2>&1; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheelhouse; \
+    else export PIP_EXTRA_INDEX_URL="$TORCH_INDEX_URL"; fi; \
+    python3 -m venv /app/.venv; \
+    python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+        | sed 's/^flwr\[simulation\]/flwr/' > /tmp/requirements.txt; \
+    /app/.venv/bin/pip install --no-cache-dir --disable-pip-version-check "torch==$TORCH_VERSION" -r /tmp/requirements.txt
+
+FROM ${BASE_IMAGE}
+WORKDIR /app
 # Like Flower's images: run as the unprivileged user `app` (uid 49999), which must be able to read
 # the mounted certificates (chown 49999 deploy/certs) and owns the state and output volumes.
 RUN useradd --create-home --uid 49999 app \
     && mkdir -p /var/lib/flwr /outputs \
     && chown app:app /var/lib/flwr /outputs
+COPY --from=build /app/.venv /app/.venv
+# The project's source, not installed: Flower runs the ServerApp and ClientApp from the app bundle
+# it installs (`flwr run /app`, service `submit`, builds that bundle from here), and the warm
+# executor runs as `python -m concatfl.warm_executor` from /app. So a code change rebuilds only
+# these small layers, never the environment.
+COPY pyproject.toml README.md ./
+COPY concatfl ./concatfl
+COPY deploy/healthcheck.py deploy/register-supernodes.sh deploy/supernode.sh ./deploy/
 USER app
 # FLWR_SUPEREXEC_TASK_POLL_INTERVAL: the SuperExec looks for new ServerApp/ClientApp tasks every
 # 0.1 s instead of 1 s (measured in docs/deployment.md, "Latency").

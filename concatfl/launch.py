@@ -55,11 +55,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def flower_env(flwr_home: Path, ray_tmpdir: Path) -> dict[str, str]:
+def flower_env(flwr_home: Path, ray_tmpdir: Path | None = None) -> dict[str, str]:
     """Environment for Flower's CLI and SuperLink: isolated home, no telemetry or installs.
 
-    Ray puts UNIX sockets under RAY_TMPDIR, whose paths may not exceed 107 bytes: it gets a
-    short directory of its own rather than one under a (possibly deep) work directory.
+    Ray puts UNIX sockets under RAY_TMPDIR, whose paths may not exceed 107 bytes: a simulation
+    gets a short directory of its own (`ray_tmpdir`) rather than one under a (possibly deep) work
+    directory.
     """
     env = dict(os.environ)
     bin_dir = str(Path(sys.executable).parent)
@@ -70,11 +71,12 @@ def flower_env(flwr_home: Path, ray_tmpdir: Path) -> dict[str, str]:
             "FLWR_TELEMETRY_ENABLED": "0",
             "FLWR_DISABLE_UPDATE_CHECK": "1",
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "RAY_TMPDIR": str(ray_tmpdir),
             "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
             "RAY_DEDUP_LOGS": "0",
         }
     )
+    if ray_tmpdir is not None:
+        env["RAY_TMPDIR"] = str(ray_tmpdir)
     return env
 
 
@@ -223,135 +225,41 @@ def in_namespace(command: list[str], netns: str | None) -> list[str]:
     return ["ip", "netns", "exec", netns, *command] if netns else command
 
 
-class FlowerSession:
-    """A private SuperLink and the `flwr` CLI pointed at it; stops all it started on exit.
+class FlowerCli:
+    """The `flwr` CLI pointed at one SuperLink, with its own FLWR_HOME under `workdir`.
 
     Parameters
     ----------
     workdir : path
-        Where the session's FLWR_HOME, SuperLink database and process logs go.
-    simulation : bool
-        True: a simulation SuperLink (Ray simulates the SuperNodes). False: real SuperNodes
-        connect to `address` (see `start_supernode`).
-    host : str (default: "127.0.0.1")
-        Address the SuperLink listens on and everyone connects to.
-    superlink_args : tuple[str, ...] (default: ("--insecure",))
-        Security flags of the SuperLink (`superlink_security`: TLS, SuperNode authentication).
+        Where the CLI's FLWR_HOME (and the files it writes: run configs, logs) go.
+    address : str
+        host:port of the SuperLink's Control API.
     root_certificates : path | None (default: None)
-        CA certificate the `flwr` CLI trusts; None talks to an `--insecure` SuperLink.
-    superlink_netns, cli_netns : str | None (default: None)
-        Network namespaces the SuperLink and the `flwr` CLI run in (multi-host tests); None is
-        the caller's own.
+        CA certificate the CLI trusts; None talks to an `--insecure` SuperLink.
+    cli_netns : str | None (default: None)
+        Network namespace the CLI runs in (multi-host tests); None is the caller's own.
     env : Mapping[str, str] | None (default: None)
-        Extra environment for every process (e.g. FLWR_SUPEREXEC_TASK_POLL_INTERVAL).
-    executor : str (default: "stock")
-        How SuperNodes run ClientApp tasks (one of EXECUTORS): "stock" is Flower's SuperExec,
-        "warm" is concatfl's warm executor started next to every SuperNode.
+        Extra environment for every process this object starts.
     """
 
-    # pylint: disable=too-many-arguments
     def __init__(
         self,
         workdir: str | os.PathLike,
+        address: str,
         *,
-        simulation: bool,
-        host: str = "127.0.0.1",
-        superlink_args: tuple[str, ...] = ("--insecure",),
         root_certificates: str | os.PathLike | None = None,
-        superlink_netns: str | None = None,
         cli_netns: str | None = None,
         env: Mapping[str, str] | None = None,
-        executor: str = "stock",
     ) -> None:
-        check_executor(executor)
-        self.executor = executor
-        self.executors: dict[int, subprocess.Popen[bytes]] = {}
         self.workdir = Path(workdir).resolve()
         self.flwr_home = self.workdir / "flwr-home"
         self.flwr_home.mkdir(parents=True, exist_ok=True)
-        self.ray_tmpdir = Path(tempfile.mkdtemp(prefix="cfl-ray-", dir="/tmp"))
-        self.env = {**flower_env(self.flwr_home, self.ray_tmpdir), **(env or {})}
-        self.simulation = simulation
-        self.host = host
-        self.superlink_netns = superlink_netns
+        self.env = {**flower_env(self.flwr_home), **(env or {})}
         self.cli_netns = cli_netns
-        self.port = free_port()
-        self.superlink_args = superlink_args
-        self.processes: list[subprocess.Popen[bytes]] = []
         tls = f'root-certificates = "{root_certificates}"' if root_certificates else "insecure = true"
         (self.flwr_home / "config.toml").write_text(
-            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-            f'[superlink.{CONNECTION}]\naddress = "{host}:{self.port}"\n{tls}\n'
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{address}"\n{tls}\n'
         )
-
-    @property
-    def address(self) -> str:
-        """host:port where SuperNodes and the CLI reach the SuperLink."""
-        return f"{self.host}:{self.port}"
-
-    def __enter__(self) -> FlowerSession:
-        command = superlink_command(
-            self.host, self.port, self.flwr_home / "state.db", simulation=self.simulation, security=self.superlink_args
-        )
-        superlink = self.spawn(command, "superlink.log", netns=self.superlink_netns)
-        try:
-            _wait_for_port(self.host, self.port, superlink, self.workdir / "superlink.log", self.superlink_netns)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for process in reversed(self.processes):
-            stop_process_tree(process)
-        shutil.rmtree(self.ray_tmpdir, ignore_errors=True)
-
-    def spawn(self, command: list[str], log_name: str, netns: str | None = None) -> subprocess.Popen[bytes]:
-        """Start a process (in `netns`, logging to `workdir/log_name`) that the session will stop."""
-        process = subprocess.Popen(
-            in_namespace(command, netns),
-            env=self.env,
-            stdout=(self.workdir / log_name).open("ab"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.processes.append(process)
-        return process
-
-    # pylint: disable=too-many-arguments
-    def start_supernode(
-        self,
-        partition_id: int,
-        num_partitions: int,
-        *,
-        security: tuple[str, ...] = ("--insecure",),
-        netns: str | None = None,
-        node_config: str = "",
-        log_name: str | None = None,
-    ) -> subprocess.Popen[bytes]:
-        """A real SuperNode holding partition `partition_id` of `num_partitions`.
-
-        `security` comes from `supernode_security`; the SuperNode runs in `netns` when given
-        and logs to `log_name` (default `supernode-<partition_id>.log`, appended to on restart).
-        With the warm executor, its executor starts beside it (same namespace; log
-        `warm-executor-<partition_id>.log`; in `self.executors[partition_id]`) and exits with it.
-        """
-        port = free_port()
-        command = supernode_command(
-            self.address,
-            port,
-            partition_id,
-            num_partitions,
-            security=security,
-            node_config=node_config,
-            executor=self.executor,
-        )
-        supernode = self.spawn(command, log_name or f"supernode-{partition_id}.log", netns=netns)
-        if self.executor == "warm":
-            self.executors[partition_id] = self.spawn(
-                warm_executor_command(port, supernode.pid), f"warm-executor-{partition_id}.log", netns=netns
-            )
-        return supernode
 
     def register_supernode(self, public_key: str | os.PathLike) -> int:
         """Register a SuperNode's public key (SuperNode authentication); returns its node id."""
@@ -431,6 +339,132 @@ class FlowerSession:
             log_text = self.flwr(["log", run_id, CONNECTION], timeout=60)
             raise SimulationError(f"run {run_id} ended {status!r}; log tail:\n{log_text[-4000:]}")
 
+
+
+class FlowerSession(FlowerCli):
+    """A private SuperLink and the `flwr` CLI pointed at it; stops all it started on exit.
+
+    Parameters
+    ----------
+    workdir : path
+        Where the session's FLWR_HOME, SuperLink database and process logs go.
+    simulation : bool
+        True: a simulation SuperLink (Ray simulates the SuperNodes). False: real SuperNodes
+        connect to `address` (see `start_supernode`).
+    host : str (default: "127.0.0.1")
+        Address the SuperLink listens on and everyone connects to.
+    superlink_args : tuple[str, ...] (default: ("--insecure",))
+        Security flags of the SuperLink (`superlink_security`: TLS, SuperNode authentication).
+    root_certificates, cli_netns, env :
+        As for `FlowerCli` (`env` also reaches the SuperLink and SuperNodes, e.g.
+        FLWR_SUPEREXEC_TASK_POLL_INTERVAL).
+    superlink_netns : str | None (default: None)
+        Network namespace the SuperLink runs in (multi-host tests); None is the caller's own.
+    executor : str (default: "stock")
+        How SuperNodes run ClientApp tasks (one of EXECUTORS): "stock" is Flower's SuperExec,
+        "warm" is concatfl's warm executor started next to every SuperNode.
+    """
+
+    # pylint: disable=too-many-arguments
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        simulation: bool,
+        host: str = "127.0.0.1",
+        superlink_args: tuple[str, ...] = ("--insecure",),
+        root_certificates: str | os.PathLike | None = None,
+        superlink_netns: str | None = None,
+        cli_netns: str | None = None,
+        env: Mapping[str, str] | None = None,
+        executor: str = "stock",
+    ) -> None:
+        check_executor(executor)
+        self.port = free_port()
+        self.ray_tmpdir = Path(tempfile.mkdtemp(prefix="cfl-ray-", dir="/tmp"))
+        super().__init__(
+            workdir,
+            f"{host}:{self.port}",
+            root_certificates=root_certificates,
+            cli_netns=cli_netns,
+            env={"RAY_TMPDIR": str(self.ray_tmpdir), **(env or {})},
+        )
+        self.executor = executor
+        self.executors: dict[int, subprocess.Popen[bytes]] = {}
+        self.simulation = simulation
+        self.host = host
+        self.superlink_netns = superlink_netns
+        self.superlink_args = superlink_args
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def address(self) -> str:
+        """host:port where SuperNodes and the CLI reach the SuperLink."""
+        return f"{self.host}:{self.port}"
+
+    def __enter__(self) -> FlowerSession:
+        command = superlink_command(
+            self.host, self.port, self.flwr_home / "state.db", simulation=self.simulation, security=self.superlink_args
+        )
+        superlink = self.spawn(command, "superlink.log", netns=self.superlink_netns)
+        try:
+            _wait_for_port(self.host, self.port, superlink, self.workdir / "superlink.log", self.superlink_netns)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in reversed(self.processes):
+            stop_process_tree(process)
+        shutil.rmtree(self.ray_tmpdir, ignore_errors=True)
+
+    def spawn(self, command: list[str], log_name: str, netns: str | None = None) -> subprocess.Popen[bytes]:
+        """Start a process (in `netns`, logging to `workdir/log_name`) that the session will stop."""
+        process = subprocess.Popen(
+            in_namespace(command, netns),
+            env=self.env,
+            stdout=(self.workdir / log_name).open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.processes.append(process)
+        return process
+
+    # pylint: disable=too-many-arguments
+    def start_supernode(
+        self,
+        partition_id: int,
+        num_partitions: int,
+        *,
+        security: tuple[str, ...] = ("--insecure",),
+        netns: str | None = None,
+        node_config: str = "",
+        log_name: str | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """A real SuperNode holding partition `partition_id` of `num_partitions`.
+
+        `security` comes from `supernode_security`; the SuperNode runs in `netns` when given
+        and logs to `log_name` (default `supernode-<partition_id>.log`, appended to on restart).
+        With the warm executor, its executor starts beside it (same namespace; log
+        `warm-executor-<partition_id>.log`; in `self.executors[partition_id]`) and exits with it.
+        """
+        port = free_port()
+        command = supernode_command(
+            self.address,
+            port,
+            partition_id,
+            num_partitions,
+            security=security,
+            node_config=node_config,
+            executor=self.executor,
+        )
+        supernode = self.spawn(command, log_name or f"supernode-{partition_id}.log", netns=netns)
+        if self.executor == "warm":
+            self.executors[partition_id] = self.spawn(
+                warm_executor_command(port, supernode.pid), f"warm-executor-{partition_id}.log", netns=netns
+            )
+        return supernode
 
 # Lines of Flower's run log that say nothing about this run: Flower 1.42 warns about the changed
 # default federation size on every simulation, even when the size is given (as the launcher always

@@ -1,12 +1,10 @@
 """docker-compose.yml starts the same SuperLink/SuperNodes as the native deployment tests.
 
-No Docker engine is needed: the file is parsed and its commands compared with the commands
-`concatfl.launch` uses for real processes (tests/test_deploy_tls.py runs them with TLS and
-SuperNode authentication), and `docker-compose config` validates it when the binary exists
-(Debian: `apt-get install --no-install-recommends docker-compose`; it needs no engine).
+The file is parsed and its commands compared with the commands `concatfl.launch` uses for real
+processes (tests/test_deploy_tls.py runs them with TLS and SuperNode authentication), and
+`docker-compose config` validates both compose files. tests/test_compose_e2e.py runs them.
 """
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -37,7 +35,7 @@ def test_superlink_command_matches_native_deployment_with_tls_and_authentication
     assert SERVICES["superlink"]["command"] == superlink_command(
         "0.0.0.0", 8000, "/var/lib/flwr/state.db", simulation=False, security=security, health_address=HEALTH
     )
-    assert "8000:8000" in SERVICES["superlink"]["ports"]
+    assert SERVICES["superlink"]["ports"] == ["${SUPERLINK_PUBLISH_ADDRESS:-127.0.0.1}:8000:8000"]
 
 
 def test_each_supernode_holds_its_own_partition_key_and_data_and_reaches_the_superlink():
@@ -50,6 +48,9 @@ def test_each_supernode_holds_its_own_partition_key_and_data_and_reaches_the_sup
             "superlink:8000", 9094, partition_id, len(names), security=security, health_address=HEALTH
         )
         assert f"${{SUPERNODE_{partition_id}_DATA:-./data}}:/data:ro" in service["volumes"]
+        # deploy/supernode.sh adds --isolation=process and runs the warm executor beside it
+        assert service["entrypoint"] == ["bash", "/app/deploy/supernode.sh"]
+        assert service["environment"]["CONCATFL_EXECUTOR"] == "${CONCATFL_EXECUTOR:-warm}"
         assert service["depends_on"]["register"]["condition"] == "service_completed_successfully"
     register = SERVICES["register"]
     assert register["command"] == [str(CERTS.supernode_public_key(i)) for i in range(len(names))]
@@ -61,7 +62,7 @@ def test_every_long_running_service_has_a_healthcheck_on_its_health_server():
         service = SERVICES[name]
         port = service["healthcheck"]["test"][-1].rsplit(":", 1)[1]
         assert f"--health-server-address=0.0.0.0:{port}" in service["command"]
-        assert "./deploy/certs:/certs:ro" in service["volumes"]
+        assert "${CONCATFL_CERTS:-./deploy/certs}:/certs:ro" in service["volumes"]
     assert (PROJECT_DIR / "deploy/healthcheck.py").exists()
 
 
@@ -75,13 +76,31 @@ def test_volumes_and_submit_connection_are_declared():
     assert "insecure" not in config.split("[superlink.compose]")[1]
     assert submit["entrypoint"][:3] == ["flwr", "run", "/app"]
     dockerfile = (PROJECT_DIR / "Dockerfile").read_text()
-    assert dockerfile.count("scripts/install.sh") == 1 and "deploy/healthcheck.py" in dockerfile
+    for script in ("deploy/healthcheck.py", "deploy/register-supernodes.sh", "deploy/supernode.sh"):
+        assert script in dockerfile and f"!{script}" in (PROJECT_DIR / ".dockerignore").read_text()
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose binary not installed")
-def test_docker_compose_accepts_the_file():
+def test_second_host_supernodes_run_the_native_command_against_the_published_address():
+    # `docker-compose config` fills in the file's defaults: SuperNodes 0 and 1 on the host network.
+    resolved = subprocess.run(
+        ["docker-compose", "-f", str(PROJECT_DIR / "deploy/supernodes.compose.yml"), "config"],
+        capture_output=True, text=True, cwd=PROJECT_DIR, check=True,
+    ).stdout
+    services = yaml.safe_load(resolved)["services"]
+    for partition_id, name in enumerate(["supernode-a", "supernode-b"]):
+        service = services[name]
+        security = supernode_security(CERTS.ca_cert, CERTS.supernode_key(partition_id))
+        assert service["command"] == supernode_command(
+            "127.0.0.1:8000", 9094 + partition_id, partition_id, 2,
+            security=security, health_address=f"127.0.0.1:{8091 + partition_id}",
+        )
+        assert service["network_mode"] == "host" and service["entrypoint"] == ["bash", "/app/deploy/supernode.sh"]
+
+
+@pytest.mark.parametrize("compose_file", ["docker-compose.yml", "deploy/supernodes.compose.yml"])
+def test_docker_compose_accepts_the_file(compose_file):
     done = subprocess.run(
-        ["docker-compose", "-f", str(PROJECT_DIR / "docker-compose.yml"), "config", "-q"],
+        ["docker-compose", "-f", str(PROJECT_DIR / compose_file), "config", "-q"],
         capture_output=True, text=True, cwd=PROJECT_DIR,
     )
     assert done.returncode == 0, done.stderr

@@ -1,0 +1,233 @@
+"""docker-compose.yml run as a user runs it, with a real Docker engine.
+
+The image is built by deploy/build-images.sh (offline, cached: seconds when nothing changed),
+certificates come from scripts/make-certs.sh, the stack comes up with `docker-compose up -d`
+(TLS, SuperNode authentication, healthchecks, SuperNodes with the warm executor), and then:
+a FedCat job through the `submit` service; a FedSeq job from the host's `flwr run` over TLS
+during which a SuperNode container is `docker kill`ed and started again; an unregistered
+SuperNode container; SuperNodes of a second "host" (deploy/supernodes.compose.yml, host network)
+that reach the SuperLink only through its published 127.0.0.1 port; `docker-compose down -v`.
+
+A Docker engine is required: without one these tests fail (they do not skip). `.ci/run` installs
+docker.io and starts dockerd.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from concatfl.launch import CONNECTION, PROJECT_DIR, FlowerCli
+from concatfl.warm_executor import TASK_LOG_PREFIX
+
+from .deploy import make_certificates, misses_of, wait_for
+
+pytestmark = pytest.mark.e2e
+
+PROJECT = "concatfl-e2e"
+SECOND_HOST = "concatfl-e2e-host2"
+IMAGE = "concatfl:0.1.0"
+SUPERLINK_ADDRESS = "127.0.0.1:8000"
+# Keys 0 and 1: the `register` service; 2 and 3: the second host's SuperNodes, registered by an
+# administrator with the CLI; 4: never registered.
+NUM_KEYS = 5
+UNREGISTERED_KEY = 4
+# A short job on the embedded digits dataset (one data partition per SuperNode).
+JOB = {"local-epochs": 1, "batch-size": 32, "lr": 0.1, "round-timeout": 90.0, "seed": 0}
+
+
+def docker(*args: str, timeout: float = 300, check: bool = True, env: dict[str, str] | None = None) -> str:
+    """Run the docker CLI; return its stdout (and fail with its output when `check`)."""
+    done = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    if check and done.returncode != 0:
+        raise AssertionError(f"`docker {' '.join(args)}` failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done.stdout + done.stderr
+
+
+class Compose:
+    """`docker-compose -p PROJECT -f FILE` with the environment the compose file reads."""
+
+    def __init__(self, project: str, file: Path, env: dict[str, str]) -> None:
+        self.project = project
+        self.file = file
+        self.env = {**os.environ, **env}
+
+    def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            ["docker-compose", "-p", self.project, "-f", str(self.file), *args],
+            capture_output=True, text=True, timeout=timeout, env=self.env, cwd=PROJECT_DIR,
+        )
+        if check and done.returncode != 0:
+            raise AssertionError(f"`docker-compose {' '.join(args)}` failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        return done
+
+    def container(self, service: str) -> str:
+        """The id of `service`'s container."""
+        return self("ps", "-q", service).stdout.strip()
+
+    def health(self, service: str) -> str:
+        container = self.container(service)
+        return docker("inspect", "-f", "{{.State.Health.Status}}", container).strip() if container else "absent"
+
+    def wait_healthy(self, *services: str, timeout: float = 180) -> None:
+        wait_for(lambda: all(self.health(s) == "healthy" for s in services), timeout, f"{services} healthy", 2.0)
+
+    def resources(self) -> dict[str, list[str]]:
+        """Every container, network and volume of this project that Docker still has."""
+        label = f"label=com.docker.compose.project={self.project}"
+        return {
+            kind: docker(kind, "ls", "-q", *(["-a"] if kind == "container" else []), "--filter", label).split()
+            for kind in ("container", "network", "volume")
+        }
+
+
+def outputs_file(compose: Compose, path: str) -> str:
+    """A file from the `outputs` volume (read through the SuperLink container)."""
+    return compose("exec", "-T", "superlink", "cat", f"/outputs/{path}").stdout
+
+
+@pytest.fixture(scope="module")
+def engine() -> None:
+    if shutil.which("docker") is None or shutil.which("docker-compose") is None:
+        pytest.fail("the docker and docker-compose commands are needed (.ci/run installs docker.io and docker-compose)")
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        pytest.fail("no Docker engine answers: start `dockerd` (.ci/run starts it)")
+    started = time.monotonic()
+    subprocess.run(["bash", str(PROJECT_DIR / "deploy/build-images.sh")], check=True, timeout=1800)
+    print(f"image build: {time.monotonic() - started:.1f} s")
+
+
+@pytest.fixture(scope="module")
+def stack(engine, tmp_path_factory):
+    """The compose stack (SuperLink, register, two SuperNodes) up and healthy, and a host CLI."""
+    workdir = tmp_path_factory.mktemp("compose")
+    certificates = make_certificates(workdir / "certs", NUM_KEYS)
+    shutil.chown(workdir / "certs", 49999, 49999)
+    for path in (workdir / "certs").iterdir():
+        shutil.chown(path, 49999, 49999)  # the containers run as uid 49999
+    (workdir / "data").mkdir()  # digits is embedded: the data mounts stay empty
+    env = {
+        "CONCATFL_CERTS": str(workdir / "certs"),
+        "CONCATFL_DATA": str(workdir / "data"),
+        "SUPERNODE_0_DATA": str(workdir / "data"),
+        "SUPERNODE_1_DATA": str(workdir / "data"),
+    }
+    compose = Compose(PROJECT, PROJECT_DIR / "docker-compose.yml", env)
+    second_host = Compose(SECOND_HOST, PROJECT_DIR / "deploy/supernodes.compose.yml", env)
+    for project in (second_host, compose):
+        project("down", "-v", "--remove-orphans", check=False)
+    started = time.monotonic()
+    try:
+        compose("up", "-d", "superlink", "register", "supernode-0", "supernode-1")
+        compose.wait_healthy("superlink", "supernode-0", "supernode-1")
+        print(f"stack start: {time.monotonic() - started:.1f} s")
+        cli = FlowerCli(workdir / "cli", SUPERLINK_ADDRESS, root_certificates=certificates.ca_cert)
+        yield compose, second_host, cli, certificates
+    finally:
+        for project in (second_host, compose):
+            project("down", "-v", "--remove-orphans", check=False)
+
+
+def online_nodes(cli: FlowerCli) -> list[int]:
+    return sorted(int(node["node-id"]) for node in cli.supernodes() if node["status"] == "online")
+
+
+def test_stack_is_healthy_with_registered_supernodes_and_a_loopback_only_port(stack):
+    compose, _, cli, _ = stack
+    assert compose.health("superlink") == "healthy"
+    register = docker("inspect", "-f", "{{.State.ExitCode}}", compose("ps", "-a", "-q", "register").stdout.strip())
+    assert register.strip() == "0"
+    wait_for(lambda: len(online_nodes(cli)) == 2, 60, "two SuperNodes online")
+    bindings = json.loads(docker("inspect", "-f", "{{json .NetworkSettings.Ports}}", compose.container("superlink")))
+    assert [(b["HostIp"], b["HostPort"]) for b in bindings["8000/tcp"]] == [("127.0.0.1", "8000")]
+    for supernode in ("supernode-0", "supernode-1"):  # each with its warm executor
+        assert "concatfl.warm_executor" in docker("top", compose.container(supernode))
+
+
+def test_fedcat_job_through_the_submit_service_completes_with_metrics_in_the_outputs_volume(stack):
+    compose, _, cli, _ = stack
+    overrides = " ".join(
+        [f"{key}={json.dumps(value)}" for key, value in JOB.items()]
+        + ["strategy='fedcat'", "fedcat-k=2", "num-server-rounds=4", "output-dir='/outputs/fedcat'"]
+    )
+    started = time.monotonic()
+    submitted = compose("run", "--rm", "submit", "--run-config", overrides, timeout=900)
+    elapsed = time.monotonic() - started
+    runs = json.loads(cli.flwr(["ls", CONNECTION, "--format", "json"]))["runs"]
+    assert [run["status"] for run in runs] == ["finished:completed"], submitted.stdout[-3000:]
+    metrics = json.loads(outputs_file(compose, "fedcat/metrics.json"))
+    assert metrics["strategy"] == "fedcat" and len(metrics["rounds"]) == 4
+    assert all(record["hops"][0]["replies"] == 2 for record in metrics["rounds"])
+    assert metrics["final_accuracy"] > metrics["initial"]["accuracy"]
+    print(f"FedCat, 4 rounds through containers: {elapsed:.1f} s")
+
+
+def test_fedseq_job_survives_a_killed_and_restarted_supernode_container(stack):
+    compose, _, cli, _ = stack
+    victim = compose.container("supernode-0")
+    nodes_before = online_nodes(cli)
+    tasks_before = docker("logs", victim).count(TASK_LOG_PREFIX)
+    run_id = cli.submit(
+        {**JOB, "strategy": "fedseq", "fedseq-pretrain-epochs": 1, "num-server-rounds": 3, "output-dir": "/outputs/fedseq"}
+    )
+    # Killed once it has answered the identity query and pre-trained: a crashed host, during or
+    # right after its reply's upload or before its first chain hop, depending on timing.
+    wait_for(lambda: docker("logs", victim).count(TASK_LOG_PREFIX) >= tasks_before + 2, 300, "two tasks of the run", 0.5)
+    docker("kill", victim)
+    killed = time.monotonic()
+    # Started again at once: the SuperLink refuses its node id until its heartbeat expired
+    # (<= 60 s); the container exits and its restart policy tries again until it is let in.
+    docker("start", victim)
+    cli.wait(run_id, timeout=900)
+    finished = time.monotonic() - killed
+    metrics = json.loads(outputs_file(compose, "fedseq/metrics.json"))
+    missed = [miss["reason"] for miss in metrics["setup"]["pretraining"]["misses"] if miss["node"] == 0]
+    missed += [reason for _, reason in misses_of(metrics, 0)]  # partition 0: supernode-0's stable id
+    assert missed, "the killed SuperNode's miss was not recorded"
+    assert len(metrics["rounds"]) == 3
+    wait_for(lambda: online_nodes(cli) == nodes_before, 180, "supernode-0 back under its registered node id")
+    print(f"FedSeq, supernode-0 killed: misses {missed}; run completed {finished:.0f} s after the kill")
+
+
+def test_an_unregistered_supernode_container_is_refused(stack):
+    compose, _, cli, certificates = stack
+    before = online_nodes(cli)
+    output = docker(
+        "run", "--rm", "--network", f"{PROJECT}_default",
+        "-v", f"{certificates.directory}:/certs:ro", "--entrypoint", "flower-supernode", IMAGE,
+        "--root-certificates=/certs/ca.crt", f"--auth-supernode-private-key=/certs/supernode-{UNREGISTERED_KEY}",
+        "--superlink=superlink:8000", "--node-config=partition-id=0 num-partitions=2",
+        check=False, timeout=180,
+    )
+    assert "Failed to activate SuperNode" in output, output[-2000:]
+    assert online_nodes(cli) == before
+
+
+def test_supernodes_of_a_second_host_reach_the_superlink_through_its_published_address(stack):
+    compose, second_host, cli, certificates = stack
+    compose("stop", "supernode-0", "supernode-1")
+    for key in (2, 3):
+        cli.register_supernode(certificates.supernode_public_key(key))
+    second_host.env.update({"SUPERNODE_A_KEY": "supernode-2", "SUPERNODE_B_KEY": "supernode-3"})
+    second_host("up", "-d")
+    second_host.wait_healthy("supernode-a", "supernode-b")
+    for service in ("supernode-a", "supernode-b"):
+        mode = docker("inspect", "-f", "{{.HostConfig.NetworkMode}}", second_host.container(service)).strip()
+        assert mode == "host"  # not on the first project's network
+    run_id = cli.submit({**JOB, "strategy": "fedavg", "num-server-rounds": 2, "output-dir": "/outputs/host2"})
+    cli.wait(run_id, timeout=600)
+    metrics = json.loads(outputs_file(compose, "host2/metrics.json"))
+    assert len(metrics["rounds"]) == 2 and metrics["final_accuracy"] > metrics["initial"]["accuracy"]
+
+
+def test_down_removes_every_container_network_and_volume(stack):
+    compose, second_host, _, _ = stack
+    for project in (second_host, compose):
+        project("down", "-v", "--remove-orphans")
+        assert project.resources() == {"container": [], "network": [], "volume": []}
