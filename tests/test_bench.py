@@ -17,9 +17,9 @@ from concatfl.bench import BenchError, get_suite, run_suite, write_report
 from concatfl.bench.__main__ import main
 from concatfl.bench.columns import FINAL_ACCURACY_PERCENT, TOTAL_MEGABYTES
 from concatfl.bench.data import Subsample, describe, write_subsample
-from concatfl.bench.report import curve_figure, load_runs, mean_curve, plot_curves
+from concatfl.bench.report import Summary, curve_figure, gain_over_baseline, load_runs, mean_curve, plot_curves
 from concatfl.bench.runner import cell_config
-from concatfl.bench.suites import BLUEPRINTS, SCALES, SUITE_NAMES, Cell, Setting, Suite
+from concatfl.bench.suites import BLUEPRINTS, PAPER, SCALES, SUITE_NAMES, Cell, Setting, Suite
 from concatfl.config import RunConfig
 from concatfl.data.datasets import load_dataset
 from concatfl.launch import PROJECT_DIR, SimulationError
@@ -91,8 +91,10 @@ def test_table_is_mean_and_sample_std_over_seeds_with_partial_cells_marked(tmp_p
     # reference = best accuracy of any run in the setting (FedCat seed 1: 0.9)
     assert "reference is the best accuracy any run of the setting reached" in markdown and "Set A 90.0 %" in markdown
     accuracy = table_rows(markdown, "final accuracy (%)")
-    assert accuracy["FedAvg"] == ["60.0 ± 10.0", "71.5", "–", "–"]  # 50, 60, 70 %; the paper's 71.5
-    assert accuracy["FedCat"] == ["85.0 ± 7.1 (2/3)", "–", "–", "–"]
+    # per setting: accuracy, paper, gain over FedAvg (ours / paper); FedAvg 50, 60, 70 %, the paper's 71.5
+    assert accuracy["FedAvg"] == ["60.0 ± 10.0", "71.5", "–", "–", "–", "–"]
+    # 85 − 60 = +25 points, more than 2 std (2 × 10): a gain; the paper has no FedCat figure
+    assert accuracy["FedCat"] == ["85.0 ± 7.1 (2/3)", "–", "+25.0 / –", "–", "–", "– / –"]
     assert table_rows(markdown, "total MB (down+up)")["FedAvg"] == ["4.0000 ± 0.0000", "–"]
     # 70 % of 0.9 = 0.63: only seed 2 got there (round 1); 80 % = 0.72: FedCat at rounds 2 and 1
     assert table_rows(markdown, "rounds to 70% of reference")["FedAvg"] == ["1.0 ± 0.0 (1/3)", "–"]
@@ -210,6 +212,31 @@ def test_every_cell_of_every_suite_is_a_valid_run_config():
     assert all(c.dataset == "digits" for name in BLUEPRINTS for c in BLUEPRINTS[name].suite("smoke").cells)
 
 
+def test_gains_below_two_standard_deviations_are_called_noise_and_paper_gains_use_the_papers_figures():
+    suite = tiny_suite()
+    suite = Suite(suite.name, suite.scale, suite.description, suite.cells, suite.columns,
+                  paper={("FedAvg", "a"): 71.5, ("FedCat", "a"): 74.0})
+    cells = {
+        ("a", "FedAvg", "final accuracy (%)"): Summary(60.0, 2.0, 3),
+        ("a", "FedCat", "final accuracy (%)"): Summary(63.0, 1.0, 3),
+    }
+    assert gain_over_baseline(suite, cells, A, "FedCat", "final accuracy (%)") == "+3.0 (noise) / +2.5"
+    cells[("a", "FedCat", "final accuracy (%)")] = Summary(55.0, 0.5, 3)
+    assert gain_over_baseline(suite, cells, A, "FedCat", "final accuracy (%)") == "-5.0 / +2.5"
+    assert gain_over_baseline(suite, cells, A, "FedAvg", "final accuracy (%)") == "–"
+    assert gain_over_baseline(suite, cells, B, "FedCat", "final accuracy (%)") == "– / –"
+
+
+def test_every_paper_figure_names_a_method_and_setting_of_its_paper_scale_suite():
+    for name, figures in PAPER.items():
+        suite = get_suite(name, "paper")
+        assert figures and {method for method, _ in figures} <= set(suite.methods)
+        assert {setting for _, setting in figures} <= {s.name for s in suite.settings}
+    assert PAPER["fedcat"][("FedCat", "cifar10-dir0.1")] == 56.16
+    assert PAPER["fedconcat"][("FedConcat", "fmnist-c2")] == 84.4
+    assert PAPER["fedseq"][("FedSeq (greedy+KL)", "cifar10-dir0")] == 82.21
+
+
 def test_the_header_lists_every_change_from_the_paper_scale():
     small, paper = get_suite("fedcat", "small"), get_suite("fedcat", "paper")
     assert "clients: 100 → 20" in small.notes[0] and "local epochs" not in small.notes[0]
@@ -289,9 +316,9 @@ def test_smoke_scale_runs_through_flower_and_writes_table_csv_and_plots(tmp_path
     assert "datasets: MNIST, Fashion-MNIST, CIFAR-10 → digits" in markdown
     accuracy = table_rows(markdown, "final accuracy (%)")
     assert list(accuracy) == get_suite("fedcat", "smoke").methods
-    for method in ("FedAvg", "FedCat"):  # columns: Dir(0.1), paper, Dir(0.5), paper, Dir(1), paper
-        assert accuracy[method][0] != "–" and accuracy[method][2] == "–" and accuracy[method][4] != "–"
-        assert accuracy[method][1] == "–"  # no paper figures known
+    for method in ("FedAvg", "FedCat"):  # columns: Dir(0.1), paper, gain, Dir(0.5), paper, gain, Dir(1), …
+        assert accuracy[method][0] != "–" and accuracy[method][3] == "–" and accuracy[method][6] != "–"
+        assert accuracy[method][1] == "–"  # the papers report no digits figures
     assert all(cell == "–" for cell in accuracy["SCAFFOLD"])
     with open(suite_dir / "table.csv", newline="") as handle:
         rows = {row["method"]: row for row in csv.DictReader(handle)}

@@ -3,7 +3,8 @@
 Every figure is the mean ± sample standard deviation over the seeds that finished; a cell where
 fewer seeds contributed than were asked for shows "(k/n)". Layout: a one-setting suite is one
 table, methods × columns; a suite with several settings (the papers' tables) gets one table per
-column, methods × settings, with the paper's figure next to each setting's accuracy.
+column, methods × settings, with the paper's figure and the gain over FedAvg (ours / the
+paper's) next to each setting's accuracy.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ TABLE_MD = "table.md"
 TABLE_CSV = "table.csv"
 PLOTS_DIR = "plots"
 MISSING = "–"
+# The row every gain is measured against, and the gain column's title.
+BASELINE = "FedAvg"
+GAIN_TITLE = "gain over FedAvg (points): ours / paper"
 
 Runs = dict[tuple[str, str], list[Metrics]]  # (setting name, method) → the finished runs' metrics
 
@@ -113,33 +117,56 @@ def _paper(suite: Suite, method: str, setting: Setting) -> float | None:
     return suite.paper.get((method, setting.name)) if suite.paper is not None else None
 
 
+def gain_over_baseline(
+    suite: Suite, cells: dict[tuple[str, str, str], Summary | None], setting: Setting, method: str, title: str
+) -> str:
+    """"ours / paper": the method's accuracy minus the baseline's (FedAvg), in points, here and in
+    the paper. Ours is marked "(noise)" when smaller than 2 standard deviations (the larger of the
+    two rows'); "–" where a figure is missing, and for the baseline itself."""
+    if method == BASELINE:
+        return MISSING
+    ours, base = cells.get((setting.name, method, title)), cells.get((setting.name, BASELINE, title))
+    ours_text = MISSING
+    if ours is not None and base is not None:
+        gain = ours.mean - base.mean
+        ours_text = f"{gain:+.1f}" + (" (noise)" if abs(gain) < 2 * max(ours.std, base.std) else "")
+    paper, paper_base = _paper(suite, method, setting), _paper(suite, BASELINE, setting)
+    paper_text = MISSING if paper is None or paper_base is None else f"{paper - paper_base:+.1f}"
+    return f"{ours_text} / {paper_text}"
+
+
 def render_markdown(suite: Suite, seeds: Sequence[int], runs: Runs) -> str:
     """The suite's table.md: header (scale, scale-downs, choices, data, paper), then the tables."""
     cells = summaries(suite, runs)
     settings = suite.settings
     columns = columns_for(suite, runs, settings[0])  # titles and formats are the same in every setting
     titles = [column.title for column in columns]
+    with_paper = suite.paper is not None
+    paper_titles = ["paper", GAIN_TITLE] if with_paper else []
+
+    def paper_cells(method: str, setting: Setting) -> list[str]:
+        if not with_paper:
+            return []
+        return [_format_paper(_paper(suite, method, setting)), gain_over_baseline(suite, cells, setting, method, titles[0])]
+
     lines = _header(suite, seeds, runs)
     if len(settings) == 1:
         setting = settings[0]
-        head = titles[:1] + (["paper"] if suite.paper is not None else []) + titles[1:]
-        lines += _table_head(["method", *head])
+        lines += _table_head(["method", titles[0], *paper_titles, *titles[1:]])
         for method in suite.methods:
             row = [format_summary(cells[(setting.name, method, c.title)], len(seeds), c.decimals) for c in columns]
-            if suite.paper is not None:
-                row.insert(1, _format_paper(_paper(suite, method, setting)))
-            lines.append(_row([method, *row]))
+            lines.append(_row([method, row[0], *paper_cells(method, setting), *row[1:]]))
         return "\n".join(lines) + "\n"
     for index, column in enumerate(columns):
-        with_paper = index == 0 and suite.paper is not None
-        head = [item for s in settings for item in ([s.label, "paper"] if with_paper else [s.label])]
+        first = index == 0
+        head = [item for s in settings for item in ([s.label, *paper_titles] if first else [s.label])]
         lines += [f"### {column.title}", "", *_table_head(["method", *head])]
         for method in suite.methods:
             row = [method]
             for setting in settings:
                 row.append(format_summary(cells[(setting.name, method, column.title)], len(seeds), column.decimals))
-                if with_paper:
-                    row.append(_format_paper(_paper(suite, method, setting)))
+                if first:
+                    row += paper_cells(method, setting)
             lines.append(_row(row))
         lines.append("")
     return "\n".join(lines)
@@ -159,7 +186,9 @@ def _header(suite: Suite, seeds: Sequence[int], runs: Runs) -> list[str]:
     if suite.paper is not None:
         known = any(value is not None for value in suite.paper.values())
         notes.append(
-            f"Paper column: the paper's figure (final accuracy, %, at the paper's scale); {MISSING} where unknown."
+            f"Paper column: the paper's figure (accuracy, %, at the paper's scale, not ours); {MISSING} where the "
+            f"paper reports none. Gain column: accuracy minus {BASELINE}'s, in points, at our scale / in the "
+            f"paper; ours is marked (noise) when under 2 standard deviations."
             if known
             else f"Paper column: the papers' figures were not available to the harness, so every one shows "
             f"{MISSING} (known figures go into PAPER in concatfl/bench/suites.py)."
