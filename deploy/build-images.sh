@@ -9,8 +9,8 @@
 #    (python3 3.11, python3-venv, ca-certificates) and imported as concatfl-base:bookworm
 #    (built once; `docker rmi concatfl-base:bookworm` to rebuild). Needs debootstrap and root.
 # 2. Wheelhouse: every wheel the image installs, downloaded on this host with its own pip
-#    configuration (index, certificates, find-links) into deploy/wheelhouse/, once per version of
-#    pyproject.toml. The image build then installs from it with --no-index: no network inside the
+#    configuration (index, certificates, find-links) into deploy/wheelhouse/, once per list of
+#    dependencies in pyproject.toml. The image build then installs from it with --no-index: no network inside the
 #    build at all.
 # 3. `docker build --build-arg BASE_IMAGE=...` (layers cached by Docker: the environment is one
 #    layer, rebuilt only when pyproject.toml changes; the project's source another).
@@ -50,11 +50,11 @@ fi
 # 2. Wheelhouse: the dependencies pyproject.toml declares (test extra excluded), torch pinned.
 wheelhouse=deploy/wheelhouse
 stamp=$wheelhouse/.complete
-key="$({ cat pyproject.toml; echo "torch==$torch_version"; "$python" --version; } | sha256sum | cut -d' ' -f1)"
+mapfile -t requirements < <("$python" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
+key="$({ printf '%s\n' "${requirements[@]}"; echo "torch==$torch_version"; "$python" --version; } | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$key" ]; then
     say "downloading wheels into $wheelhouse"
     find "$wheelhouse" -name '*.whl' -delete
-    mapfile -t requirements < <("$python" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
     "$python" -m pip download --quiet --only-binary=:all: --dest "$wheelhouse" \
         "torch==$torch_version" "${requirements[@]}"
     echo "$key" > "$stamp"

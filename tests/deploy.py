@@ -25,9 +25,10 @@ T = TypeVar("T")
 # 0.1 s instead of every 1 s. Deployment tests use it because every hop pays that delay.
 FAST_POLLING = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}
 
-# How the deployment tests' SuperNodes run ClientApps (concatfl.launch.EXECUTORS): Flower's own
-# SuperExec by default; CONCATFL_DEPLOY_EXECUTOR=warm runs them with concatfl's warm executor.
-DEPLOY_EXECUTOR = os.environ.get("CONCATFL_DEPLOY_EXECUTOR", "stock")
+# How the deployment tests' SuperNodes run ClientApps (concatfl.launch.EXECUTORS): concatfl's warm
+# executor by default (one process per SuperNode: hops without a process start each);
+# CONCATFL_DEPLOY_EXECUTOR=stock runs them with Flower's own SuperExec (a process per message).
+DEPLOY_EXECUTOR = os.environ.get("CONCATFL_DEPLOY_EXECUTOR", "warm")
 
 # A short deployed run on digits: hops take 10-40 s on a loaded 2-core machine (one ClientApp
 # process, importing torch, per message), so the timeout leaves room for a slow but healthy node.

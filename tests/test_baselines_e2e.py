@@ -1,11 +1,12 @@
-"""Each baseline end to end (SCAFFOLD; FedDyn, MOON, FedRS, FedLC with FedAvg; FedSeq + FedDyn): real
-`flwr run` simulations on digits, 4 clients, 2 rounds."""
+"""Each baseline end to end (SCAFFOLD; FedDyn, MOON, FedRS, FedLC with FedAvg; FedSeq + FedDyn) on
+digits, 4 clients, 2 rounds: SCAFFOLD (whose clients keep c_i in `context.state`) as a real `flwr
+run` simulation, the others with the ServerApp and ClientApps in process (tests.e2e.run_in_process)."""
 
 from __future__ import annotations
 
 import pytest
 
-from .e2e import leftover_processes, run_simulation
+from .e2e import leftover_processes, run_in_process, run_simulation
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +33,8 @@ MODEL_BYTES = 55_210 * 4  # the digits MLP's float32 parameters
     ids=["scaffold", "fedavg+feddyn", "fedseq+feddyn", "fedavg+moon", "fedavg+fedrs", "fedavg+fedlc"],
 )
 def test_baseline_runs_end_to_end_and_learns(tmp_path, run_config):
-    metrics = run_simulation(tmp_path, {"num-server-rounds": 2, **run_config}, num_supernodes=4)
+    run = run_simulation if run_config["strategy"] == "scaffold" else run_in_process
+    metrics = run(tmp_path, {"num-server-rounds": 2, **run_config}, num_supernodes=4)
 
     assert metrics["strategy"] == run_config["strategy"] and len(metrics["rounds"]) == 2
     assert metrics["run_config"]["local-objective"] == run_config.get("local-objective", "sgd")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, RecordDict
 
 from concatfl.checkpoint import (
     CHECKPOINT_FILE,

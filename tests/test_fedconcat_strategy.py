@@ -41,7 +41,7 @@ from concatfl.strategies.feddyn import FedDynServer, feddyn_server_update
 from concatfl.training import Normalization, evaluate, train
 from tests.fakes import FakeGrid, reply_with
 
-from .e2e import run_simulation
+from .e2e import run_in_process
 
 
 SHAPE = (1, 4, 4)
@@ -704,7 +704,8 @@ def test_a_user_needs_only_the_documented_handlers():
 @pytest.mark.e2e
 @pytest.mark.parametrize("variant", ["fedconcat", "fedconcat-id"])
 def test_end_to_end_on_digits(tmp_path, variant):
-    """`flwr run` on digits, 6 clients with 2 classes each: all three stages, bytes, saved model."""
+    """A whole run on digits (in process), 6 clients with 2 classes each: all three stages, bytes,
+    saved model. (tests/test_fedconcat_user_app.py runs FedConcat through `flwr run`.)"""
 
     config = {
         "strategy": variant,
@@ -717,7 +718,7 @@ def test_end_to_end_on_digits(tmp_path, variant):
         "fedconcat-init-classifier": True,
         "lr": 0.1,
     }
-    metrics = run_simulation(tmp_path, config, num_supernodes=6)
+    metrics = run_in_process(tmp_path, config, num_supernodes=6)
     rounds = metrics["rounds"]
     assert [r["stage"] for r in rounds] == ["encoders"] * 2 + ["classifier"] * 2  # not num-server-rounds
     setup = metrics["setup"]

@@ -464,9 +464,9 @@ def test_fedseq_runs_against_a_plain_clientapp():
 # ---------------------------------------------------------------------- end to end
 @pytest.mark.e2e
 def test_end_to_end_on_digits(tmp_path: Path):
-    from tests.e2e import run_simulation
+    from tests.e2e import run_in_process
 
-    metrics = run_simulation(
+    metrics = run_in_process(
         tmp_path,
         {
             "strategy": "fedseq",

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from concatfl.launch import PROJECT_DIR, FlowerSession, warm_executor_command
-from concatfl.metrics import read_metrics
 from concatfl.warm_executor import (
     AppRef,
     TaskReport,
@@ -24,7 +23,7 @@ from concatfl.warm_executor import (
     task_records,
 )
 
-from .deploy import DEPLOY_RUN, FAST_POLLING, log_count, online_node_ids, wait_for
+from .deploy import FAST_POLLING, log_count, online_node_ids, wait_for
 from .e2e import leftover_processes
 
 STATEFUL_APP = PROJECT_DIR / "tests/apps/stateful"
@@ -136,34 +135,4 @@ def test_a_crashed_worker_is_replaced_and_a_new_app_version_gets_a_fresh_worker(
     # A new run of a changed app: the new code runs, in another process.
     assert without_process_facts(second) == [{"action": "count", "count": 1, "version": 2}]
     assert second[0]["pid"] not in after
-    assert leftover_processes(tmp_path) == []
-
-
-@pytest.mark.e2e
-def test_a_fedseq_job_completes_with_one_warm_process_per_supernode(tmp_path):
-    output = tmp_path / "output"
-    config = {
-        **DEPLOY_RUN,
-        "strategy": "fedseq",
-        "fedseq-pretrain-epochs": 1,
-        "fedseq-min-samples": 100_000,  # one superclient: a chain over both nodes
-        "num-server-rounds": 2,
-        "output-dir": str(output),
-    }
-    with FlowerSession(tmp_path, simulation=False, executor="warm", env=FAST_POLLING) as session:
-        for partition_id in range(2):
-            session.start_supernode(partition_id, 2)
-        wait_for(lambda: len(online_node_ids(session)) == 2, 90, "both SuperNodes online")
-        session.wait(session.submit(config), timeout=900)
-    metrics = read_metrics(output)
-    for record in metrics["rounds"]:
-        chain = record["superclients"][0]
-        assert len(chain["order"]) == 2 and chain["trained_hops"] == 2 and chain["missed"] == []
-    assert metrics["final_accuracy"] > metrics["initial"]["accuracy"]
-    for partition_id in range(2):
-        received = log_count(tmp_path / f"supernode-{partition_id}.log", "Receiving: ")
-        tasks = task_records((tmp_path / f"warm-executor-{partition_id}.log").read_text())
-        assert received >= 4 and len(tasks) == received  # identity, pre-training, two chain hops
-        assert {task["status"] for task in tasks} == {"completed"}
-        assert len({task["worker_pid"] for task in tasks}) == 1
     assert leftover_processes(tmp_path) == []

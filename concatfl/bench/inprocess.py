@@ -118,7 +118,9 @@ def simulate_in_process(run_config: Mapping[str, Any], num_supernodes: int, work
     config = RunConfig.from_mapping({**run_config, "output-dir": str(Path(workdir) / "output")}).as_dict()
     grid = InProcessGrid({FIRST_NODE_ID + i: client_node(config, i, num_supernodes) for i in range(num_supernodes)})
     # One process trains every client: one torch thread each avoids oversubscribing the cores
-    # (two threads on a busy 2-core machine made training many times slower).
+    # (two threads on a busy 2-core machine made training many times slower). The caller's
+    # setting is restored afterwards.
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     # Flower stamps every new Message with the running task's identity, which its runtime sets.
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
@@ -129,4 +131,5 @@ def simulate_in_process(run_config: Mapping[str, Any], num_supernodes: int, work
         server_main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config))
     finally:
         flower_log.setLevel(level)
+        torch.set_num_threads(threads)
     return read_metrics(config["output-dir"])
