@@ -47,10 +47,12 @@ else
     base=$local_base
 fi
 
-# 2. Wheelhouse: the dependencies pyproject.toml declares (test extra excluded), torch pinned.
+# 2. Wheelhouse: the dependencies pyproject.toml declares (test extra and Ray excluded), torch pinned.
 wheelhouse=deploy/wheelhouse
 stamp=$wheelhouse/.complete
-mapfile -t requirements < <("$python" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
+# The same list as the Dockerfile's requirements stage (no Ray): the wheels the image installs.
+mapfile -t requirements < <("$python" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+    | sed 's/^flwr\[simulation\]/flwr/')
 key="$({ printf '%s\n' "${requirements[@]}"; echo "torch==$torch_version"; "$python" --version; } | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$key" ]; then
     say "downloading wheels into $wheelhouse"
