@@ -20,21 +20,30 @@ hidden. `identity_report()` says which nodes were identified late, kept their Fl
 never answered (metrics.json's `node_identity`).
 
 It also polls for replies every `pull_interval` seconds: Flower 1.42's Grid sleeps 3 s between
-pulls, on average 1.5 s lost per hop, which FedSeq pays again at every hop of its chains.
+pulls, on average 1.5 s lost per hop, which FedSeq pays again at every hop of its chains. And in
+deployment it pulls a reply's objects with a short backoff (`short_reply_backoff`): the SuperLink
+lists a reply as soon as its metadata is stored, before the SuperNode has pushed its arrays, and
+Flower's Grid then retries after 1 s, doubling up to 10 s.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
+import flwr.superlink.grid.http_grid as http_grid
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore import log
+from flwr.supercore.inflatable.inflatable_utils import pull_objects
+from flwr.supercore.version import package_version
+
+from .warm_executor import SHORT_PULL_BACKOFF, TESTED_FLOWER_VERSIONS
 
 IDENTITY_QUERY = "identity"
 PARTITION_ID_KEY = "partition-id"
@@ -69,9 +78,22 @@ class StableNodeGrid(Grid):
         that answers later is identified when its answer comes; until then it is not listed.
     pull_interval : float (default: 0.1)
         Seconds between two pulls for replies in `send_and_receive` and while identifying.
+    short_reply_backoff : bool (default: True)
+        When `grid` is Flower's deployment Grid (`HttpGrid`) of a tested Flower version, pull
+        reply objects that are not uploaded yet again after 0.05 s (doubling up to 0.1 s;
+        `warm_executor.SHORT_PULL_BACKOFF`) instead of Flower's 1 s (up to 10 s). This changes `HttpGrid`'s backoff for the whole
+        process: a ServerApp process serves one run. Other versions keep Flower's, with a warning.
     """
 
-    def __init__(self, grid: Grid, identify_timeout: float | None = 120.0, pull_interval: float = 0.1) -> None:
+    def __init__(
+        self,
+        grid: Grid,
+        identify_timeout: float | None = 120.0,
+        pull_interval: float = 0.1,
+        short_reply_backoff: bool = True,
+    ) -> None:
+        if short_reply_backoff and isinstance(grid, http_grid.HttpGrid):
+            use_short_reply_backoff()
         self.grid = grid
         self.identify_timeout = identify_timeout
         self.pull_interval = pull_interval
@@ -236,6 +258,17 @@ class StableNodeGrid(Grid):
     def create_message(self, *args, **kwargs) -> Message:  # type: ignore[override]
         """Forwarded to Flower's Grid (the destination is a stable id, translated on sending)."""
         return self.grid.create_message(*args, **kwargs)
+
+
+def use_short_reply_backoff(version: str = package_version) -> bool:
+    """Make `HttpGrid` pull reply objects with SHORT_PULL_BACKOFF (0.05 s, doubling up to 0.1 s) if
+    `version` is a tested Flower version (whose `HttpGrid.pull_messages` calls the module's
+    `pull_objects` with the default backoff); return whether it does."""
+    if version not in TESTED_FLOWER_VERSIONS:
+        log(WARNING, "Flower %s is untested here: reply objects are pulled with Flower's own backoff", version)
+        return False
+    http_grid.pull_objects = functools.partial(pull_objects, **SHORT_PULL_BACKOFF)
+    return True
 
 
 def _reported_partition(reply: Message) -> int | None:

@@ -61,11 +61,13 @@ if TYPE_CHECKING:
 # Flower versions whose task steps this executor was tested against: the steps below mirror
 # `flwr/supernode/runtime/run_clientapp.py` of these versions.
 TESTED_FLOWER_VERSIONS = ("1.42.0",)
-# Object-pull backoff while the SuperNode is still downloading the message's objects (it lists
-# the task before they arrive). Flower's default starts at 1 s and doubles (supercore/constant.py),
-# tuned for a new process per message; a warm worker asks right after the task appears.
-PULL_INITIAL_BACKOFF = 0.05
-PULL_BACKOFF_CAP = 0.5
+# Object-pull backoff while the sender is still uploading a message's objects (a message is listed
+# before its objects arrive): retry after 0.05 s, doubling up to 0.1 s. Flower's default
+# (supercore/constant.py) starts at 1 s and doubles up to 10 s, tuned for a new process per
+# message; a warm worker, concatfl's SuperNode launcher and ServerApp ask right away. Tries are
+# not counted, so the pull keeps Flower's bound on its total time (PULL_MAX_TIME, 2 h) instead of
+# giving up after 500 short tries.
+SHORT_PULL_BACKOFF = {"initial_backoff": 0.05, "backoff_cap": 0.1, "max_tries_per_object": None}
 # How long a task's message may take to appear after the task was claimed.
 MESSAGE_WAIT_SECONDS = 30.0
 # Default seconds between two `AcquireTask` calls when idle (stock SuperExec: 1 s).
@@ -81,16 +83,23 @@ TASK_LOG_PREFIX = "task record"
 
 
 class UntestedFlowerVersion(RuntimeError):
-    """The installed Flower is not one whose task steps this executor mirrors."""
+    """The installed Flower is not one whose code a concatfl component mirrors or adjusts."""
 
 
-def check_flower_version(version: str = package_version) -> None:
-    """Raise UntestedFlowerVersion unless `version` is one of TESTED_FLOWER_VERSIONS."""
+def check_flower_version(
+    version: str = package_version,
+    *,
+    component: str = "concatfl's warm executor",
+    mirrors: str = "ClientApp task steps",
+    instead: str = "Run the SuperNode with its stock executor "
+    "(`--isolation subprocess`, or `flower-superexec` next to `--isolation process`) instead.",
+) -> None:
+    """Raise UntestedFlowerVersion unless `version` is one of TESTED_FLOWER_VERSIONS; the message
+    says what `component` depends on (`mirrors`) and what to run `instead`."""
     if version not in TESTED_FLOWER_VERSIONS:
         raise UntestedFlowerVersion(
-            f"concatfl's warm executor mirrors Flower {', '.join(TESTED_FLOWER_VERSIONS)}'s ClientApp task "
-            f"steps, but flwr {version} is installed. Run the SuperNode with its stock executor "
-            "(`--isolation subprocess`, or `flower-superexec` next to `--isolation process`) instead."
+            f"{component} mirrors Flower {', '.join(TESTED_FLOWER_VERSIONS)}'s {mirrors}, "
+            f"but flwr {version} is installed. {instead}"
         )
 
 
@@ -278,8 +287,8 @@ def pull_task_input(client: RuntimeHttpClient) -> tuple[Message, Context, Run, F
 
     Same calls in the same order (PullTaskInput, PullMessages, object pulls, confirmation); a
     warm worker may ask before the SuperNode has stored the message and its objects, so it waits
-    for the message and retries object pulls after 0.05 s (doubling up to 0.5 s) instead of
-    Flower's 1 s (up to 10 s).
+    for the message and retries object pulls with SHORT_PULL_BACKOFF instead of Flower's 1 s
+    (up to 10 s).
     """
     # pylint: disable=import-outside-toplevel
     from flwr.app import Message
@@ -305,7 +314,7 @@ def pull_task_input(client: RuntimeHttpClient) -> tuple[Message, Context, Run, F
     while not (pulled := client.PullMessages(PullAppMessagesRequest())).messages_list:
         if time.monotonic() > deadline:
             raise RuntimeError(f"No messages received from Runtime API within {MESSAGE_WAIT_SECONDS:.0f} s")
-        time.sleep(PULL_INITIAL_BACKOFF)
+        time.sleep(SHORT_PULL_BACKOFF["initial_backoff"])
     node = Node(node_id=context.node_id)
     object_tree = pulled.message_object_trees[0]
     message = pull_and_inflate_object_from_tree(
@@ -313,8 +322,7 @@ def pull_task_input(client: RuntimeHttpClient) -> tuple[Message, Context, Run, F
         make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
         make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
         return_type=Message,
-        initial_backoff=PULL_INITIAL_BACKOFF,
-        backoff_cap=PULL_BACKOFF_CAP,
+        **SHORT_PULL_BACKOFF,
     )
     # The deflated message does not carry its own id (its object id): set it as Flower does.
     message.metadata.__dict__["_message_id"] = object_tree.object_id

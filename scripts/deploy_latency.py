@@ -39,21 +39,27 @@ APP = PROJECT_DIR / "scripts/latency_app"
 
 
 class Variant(NamedTuple):
-    """Settings of one measured deployment: extra environment of every process, and how the
-    SuperNodes run ClientApps (concatfl.launch.EXECUTORS)."""
+    """Settings of one measured deployment: extra environment of every process, how the
+    SuperNodes run ClientApps (concatfl.launch.EXECUTORS), and whether the SuperLink keeps its
+    state in an SQLite file (`--database`) instead of memory (Flower's default)."""
 
     env: dict[str, str]
     executor: str = "stock"
+    state_db: bool = False
 
 
 # FLWR_SUPEREXEC_TASK_POLL_INTERVAL is Flower 1.42's own setting (SuperExec's task polling,
-# default 1 s); CONCATFL_PULL_INTERVAL sets how often the ServerApp pulls replies (concatfl:
-# 0.1 s; Flower's own Grid: 3 s; see scripts/latency_app). The warm executor polls every 0.1 s.
+# default 1 s); CONCATFL_FLOWER_GRID=1 makes the ServerApp wait for replies as Flower's own Grid
+# does (see scripts/latency_app); CONCATFL_SUPERNODE_WAITS=flower keeps Flower's SuperNode waits
+# under the warm executor (concatfl/supernode.py). The warm executor polls every 0.1 s.
 VARIANTS: dict[str, Variant] = {
-    "flower-defaults": Variant({"CONCATFL_PULL_INTERVAL": "3"}),
+    "flower-defaults": Variant({"CONCATFL_FLOWER_GRID": "1"}),
     "server-pull-0.1s": Variant({}),
     "server-pull-0.1s+superexec-poll-0.1s": Variant({"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}),
+    "warm-executor+flower-supernode-waits": Variant({"CONCATFL_SUPERNODE_WAITS": "flower"}, executor="warm"),
     "warm-executor": Variant({}, executor="warm"),
+    "warm-executor+supernode-poll-0.2s": Variant({"CONCATFL_SUPERNODE_IDLE_POLL": "0.2"}, executor="warm"),
+    "warm-executor+superlink-state-db": Variant({}, executor="warm", state_db=True),
 }
 
 
@@ -76,7 +82,8 @@ def measure_variant(
     hop_log = workdir / "hops.jsonl"  # the ServerApp inherits the SuperLink's environment
     hop_log.touch()
     env = {**variant.env, "CONCATFL_HOP_LOG": str(hop_log)}
-    with FlowerSession(workdir, simulation=False, env=env, executor=variant.executor) as session:
+    database = workdir / "state.db" if variant.state_db else None
+    with FlowerSession(workdir, simulation=False, env=env, database=database, executor=variant.executor) as session:
         node_processes = [session.start_supernode(partition_id, nodes) for partition_id in range(nodes)]
         node_processes += session.executors.values()
         deadline = time.monotonic() + 120

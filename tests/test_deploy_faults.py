@@ -116,8 +116,10 @@ def _kill_and_restart(tmp_path, run_config, num_nodes, kill_at_train_message):
 
 @pytest.mark.e2e
 def test_fedcat_survives_a_killed_and_restarted_supernode(tmp_path):
-    # 3 nodes, K = 2 copies, groups redrawn every K rounds (λ = 1).
-    config = {"strategy": "fedcat", "fedcat-k": 2, "fedcat-lambda": 1, "num-server-rounds": 5}
+    # 3 nodes, K = 2 copies, groups redrawn every K rounds (λ = 1). The node can rejoin only
+    # after the SuperLink gives up on it (<= 60 s); with the warm executor a round then takes
+    # ~2 s, so enough rounds must be left for it to be back and selected again.
+    config = {"strategy": "fedcat", "fedcat-k": 2, "fedcat-lambda": 1, "num-server-rounds": 16}
     metrics, victim, restart_seconds = _kill_and_restart(tmp_path, config, 3, kill_at_train_message=2)
 
     missed = misses_of(metrics, victim)

@@ -66,7 +66,9 @@ PARTS = ("1", "2", "3", "4")
 RATIO_TARGET = 1.15  # part 1: simulated rounds at most this many times the bare loop's
 CHEAPER_TARGET = 20.0  # part 2: a classifier round at least this many times cheaper than an encoder round
 LATENCY_SCRIPT = PROJECT_DIR / "scripts" / "deploy_latency.py"
-LATENCY_VARIANT = "server-pull-0.1s"  # deploy_latency.py's variant with concatfl's own settings
+# deploy_latency.py's variants with concatfl's own settings: Flower's executor, and concatfl's warm
+# executor with its SuperNode launcher (what docker-compose.yml runs).
+LATENCY_VARIANTS = "server-pull-0.1s,warm-executor"
 MB = 1e6
 Metrics = dict[str, Any]
 
@@ -512,12 +514,13 @@ def part_scale(options: Options) -> dict[str, Any]:
 
 def part_latency(options: Options) -> dict[str, Any]:
     """Part 4: FedSeq's sequential hops through real processes, from deploy_latency.py's JSON
-    (`--latency-json`), or from a fresh one-round run of it with concatfl's own settings."""
+    (`--latency-json`), or from a fresh one-round run of it with concatfl's own settings
+    (LATENCY_VARIANTS)."""
     path = options.latency_json
     if path is None:
         path = (options.suite_dir / "deploy-latency.json").resolve()  # the script runs in the project folder
         command = [sys.executable, str(LATENCY_SCRIPT), "--nodes", str(options.latency_nodes), "--rounds", "1"]
-        subprocess.run([*command, "--variants", LATENCY_VARIANT, "--out", str(path)], check=True, cwd=PROJECT_DIR)
+        subprocess.run([*command, "--variants", LATENCY_VARIANTS, "--out", str(path)], check=True, cwd=PROJECT_DIR)
     return {"source": str(path), **fedseq_latency(json.loads(path.read_text()))}
 
 

@@ -3,8 +3,9 @@
 
 CONCATFL_HOP_LOG=<file>: append one JSON line per hop: wall seconds, Unix time it ended,
     messages, and the ClientApps' "train-seconds" (time inside the training loop).
-CONCATFL_PULL_INTERVAL=<seconds>: poll for replies at this interval instead of concatfl's 0.1 s
-    (`StableNodeGrid`); 3 reproduces Flower 1.42's own `Grid.send_and_receive`.
+CONCATFL_FLOWER_GRID=1: wait for replies as Flower 1.42's own `Grid.send_and_receive` does (a
+    pull every 3 s, reply objects pulled with Flower's 1 s backoff) instead of concatfl's
+    `StableNodeGrid` (0.1 s, 0.05 s backoff).
 """
 
 from __future__ import annotations
@@ -36,5 +37,5 @@ def logged_relay(grid, requests, timeout):  # type: ignore[no-untyped-def]
 
 if os.environ.get("CONCATFL_HOP_LOG"):
     base.relay = logged_relay
-if os.environ.get("CONCATFL_PULL_INTERVAL"):
-    server_app.StableNodeGrid = partial(StableNodeGrid, pull_interval=float(os.environ["CONCATFL_PULL_INTERVAL"]))
+if os.environ.get("CONCATFL_FLOWER_GRID") == "1":
+    server_app.StableNodeGrid = partial(StableNodeGrid, pull_interval=3.0, short_reply_backoff=False)
