@@ -8,13 +8,14 @@ into the code, none of them a setting:
   downloads a message's objects. A fast SuperNode always falls into it: the SuperLink lists a
   message as soon as its metadata is stored, before the ServerApp has pushed its arrays.
 FedCat and FedSeq wait for one node at a time, so every hop pays these (measured on loopback
-with the warm executor: a FedSeq hop of 2.65 s with them, 0.52 s without; docs/deployment.md §8).
+with the warm executor: a FedSeq hop of 2.67 s with them, 0.56 s without; docs/deployment.md §8).
 
 This launcher runs Flower's own `flower-supernode` (same flags, same process, same protocol) with
 only those waits replaced, in that one module:
-- the idle poll by `CONCATFL_SUPERNODE_IDLE_POLL` seconds (default 0.1, like the warm executor's
-  and the ServerApp's polls; 0.01 to 3). Each idle poll is one small request to the SuperLink:
-  0.1 s instead of 0.2 s measured 0.005 cores more per idle node;
+- the idle poll by `CONCATFL_SUPERNODE_IDLE_POLL` seconds (default 0.2; 0.01 to 3). Each idle
+  poll is one small request to the SuperLink. Measured in two paired runs: 0.1 s polls gave the
+  same mean hop as 0.2 s (overhead 0.47 and 0.50 s against 0.51 and 0.46 s) for 0.006 cores
+  more per idle node, so the cheaper interval is the default;
 - the 0.5 s checks by 0.05 s (they read the SuperNode's own memory);
 - the object-pull backoff by `SHORT_PULL_BACKOFF` (0.05 s doubling up to 0.1 s).
 It refuses Flower versions other than the one whose loop it was checked against
@@ -37,7 +38,7 @@ from .warm_executor import SHORT_PULL_BACKOFF, UntestedFlowerVersion, check_flow
 
 WAITS_ENV = "CONCATFL_SUPERNODE_WAITS"  # "short" (default) or "flower"
 IDLE_POLL_ENV = "CONCATFL_SUPERNODE_IDLE_POLL"
-DEFAULT_IDLE_POLL = 0.1
+DEFAULT_IDLE_POLL = 0.2
 IDLE_POLL_RANGE = (0.01, 3.0)
 # Flower's idle poll and its reply/object checks, as written in start_client_internal.py.
 FLOWER_IDLE_SLEEP = 3

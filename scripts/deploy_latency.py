@@ -58,7 +58,7 @@ VARIANTS: dict[str, Variant] = {
     "server-pull-0.1s+superexec-poll-0.1s": Variant({"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}),
     "warm-executor+flower-supernode-waits": Variant({"CONCATFL_SUPERNODE_WAITS": "flower"}, executor="warm"),
     "warm-executor": Variant({}, executor="warm"),
-    "warm-executor+supernode-poll-0.2s": Variant({"CONCATFL_SUPERNODE_IDLE_POLL": "0.2"}, executor="warm"),
+    "warm-executor+supernode-poll-0.1s": Variant({"CONCATFL_SUPERNODE_IDLE_POLL": "0.1"}, executor="warm"),
     "warm-executor+superlink-state-db": Variant({}, executor="warm", state_db=True),
 }
 

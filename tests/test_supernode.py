@@ -71,7 +71,7 @@ def test_shorten_waits_changes_only_the_given_module(monkeypatch):
 
 
 def test_the_environment_picks_the_waits_and_bad_values_name_the_variable():
-    assert supernode.idle_poll_from_env({}) == supernode.DEFAULT_IDLE_POLL == 0.1
+    assert supernode.idle_poll_from_env({}) == supernode.DEFAULT_IDLE_POLL == 0.2
     assert supernode.idle_poll_from_env({"CONCATFL_SUPERNODE_IDLE_POLL": "0.5"}) == 0.5
     assert supernode.idle_poll_from_env({"CONCATFL_SUPERNODE_WAITS": "flower"}) is None
     for bad in ("0", "5", "fast", "nan"):
