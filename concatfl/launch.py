@@ -686,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workdir",
         default=None,
-        help="keep the run's files here (SuperLink database, logs; outputs in WORKDIR/output unless "
+        help="keep the run's files here (FLWR_HOME, logs; outputs in WORKDIR/output unless "
         "output-dir is set). Default: a temporary directory, removed afterwards; outputs go to output-dir",
     )
     parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: none)")
