@@ -154,7 +154,7 @@ def superlink_command(
     `database` is an SQLite file that keeps the SuperLink's state (registered SuperNode keys,
     runs, messages and their objects) across restarts; None keeps it in memory (Flower's
     default), which is faster: every object a message carries is written to and read from it
-    (measured: ~0.45 s of a FedSeq hop on loopback, docs/deployment.md). `security` comes from
+    (measured: ~0.4 s of a FedSeq hop on loopback, docs/deployment.md). `security` comes from
     `superlink_security`; `health_address` (host:port) starts Flower's plain-gRPC health service
     there (docker-compose's healthcheck probes it).
     """
