@@ -52,9 +52,11 @@ def idle_poll_from_env(environ: Mapping[str, str]) -> float | None:
     waits = environ.get(WAITS_ENV, "short")
     if waits not in ("short", "flower"):
         raise ValueError(f"{WAITS_ENV} must be 'short' or 'flower', got {waits!r}")
+    if waits == "flower":
+        return None
     text = environ.get(IDLE_POLL_ENV)
-    if waits == "flower" or text is None:
-        return None if waits == "flower" else DEFAULT_IDLE_POLL
+    if text is None:
+        return DEFAULT_IDLE_POLL
     low, high = IDLE_POLL_RANGE
     try:
         value = float(text)

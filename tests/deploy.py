@@ -22,7 +22,8 @@ from concatfl.launch import PROJECT_DIR, Certificates, FlowerSession, supernode_
 T = TypeVar("T")
 
 # Flower 1.42's one latency setting (see docs/deployment.md): the SuperExec asks for new tasks every
-# 0.1 s instead of every 1 s. Deployment tests use it because every hop pays that delay.
+# 0.1 s instead of every 1 s. Deployment tests set it because with the stock executor every hop pays
+# that delay (the warm executor polls every 0.1 s by itself).
 FAST_POLLING = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}
 
 # How the deployment tests' SuperNodes run ClientApps (concatfl.launch.EXECUTORS): concatfl's warm
@@ -30,8 +31,9 @@ FAST_POLLING = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}
 # CONCATFL_DEPLOY_EXECUTOR=stock runs them with Flower's own SuperExec (a process per message).
 DEPLOY_EXECUTOR = os.environ.get("CONCATFL_DEPLOY_EXECUTOR", "warm")
 
-# A short deployed run on digits: hops take 10-40 s on a loaded 2-core machine (one ClientApp
-# process, importing torch, per message), so the timeout leaves room for a slow but healthy node.
+# A short deployed run on digits: with the stock executor hops take 10-40 s on a loaded 2-core
+# machine (one ClientApp process, importing torch, per message), as does a warm worker's first task;
+# the timeout leaves room for a slow but healthy node.
 DEPLOY_RUN = {"local-epochs": 1, "batch-size": 32, "lr": 0.1, "round-timeout": 90.0, "seed": 0}
 
 
