@@ -89,7 +89,7 @@ def test_table_is_mean_and_sample_std_over_seeds_with_partial_cells_marked(tmp_p
 
     assert "## tiny — scale `small`" in markdown and "- Scaled down: clients: 100 → 2." in markdown
     # reference = best accuracy of any run in the setting (FedCat seed 1: 0.9)
-    assert "reference is the best accuracy any run of the setting reached" in markdown and "Set A 90.0 %" in markdown
+    assert "Set A 90.0 % (best run (no centralized run))" in markdown
     accuracy = table_rows(markdown, "final accuracy (%)")
     # per setting: accuracy, paper, gain over FedAvg (ours / paper); FedAvg 50, 60, 70 %, the paper's 71.5
     assert accuracy["FedAvg"] == ["60.0 ± 10.0", "71.5", "–", "–", "–", "–"]
@@ -205,9 +205,10 @@ def test_every_cell_of_every_suite_is_a_valid_run_config():
                 assert RunConfig.from_mapping(config).min_available_nodes <= cell.num_supernodes
     sizes = {(name, scale): len(BLUEPRINTS[name].suite(scale).cells) for name in BLUEPRINTS for scale in SCALES}
     assert sizes == {
-        ("fedcat", "smoke"): 3 * 6, ("fedcat", "small"): 2 * 6, ("fedcat", "paper"): 9 * 6,
-        ("fedconcat", "smoke"): 4 * 7, ("fedconcat", "small"): 2 * 7, ("fedconcat", "paper"): 8 * 7,
-        ("fedseq", "smoke"): 3 * 9, ("fedseq", "small"): 1 * 9, ("fedseq", "paper"): 6 * 9,
+        # per setting: the methods, then the centralized row
+        ("fedcat", "smoke"): 3 * 7, ("fedcat", "small"): (3 + 1) + (2 + 1), ("fedcat", "paper"): 9 * 7,
+        ("fedconcat", "smoke"): 4 * 8, ("fedconcat", "small"): (7 + 1) + (3 + 1), ("fedconcat", "paper"): 8 * 8,
+        ("fedseq", "smoke"): 3 * 10, ("fedseq", "small"): 7 + 1, ("fedseq", "paper"): 6 * 10,
     }  # fmt: skip
     assert all(c.dataset == "digits" for name in BLUEPRINTS for c in BLUEPRINTS[name].suite("smoke").cells)
 
@@ -240,20 +241,64 @@ def test_every_paper_figure_names_a_method_and_setting_of_its_paper_scale_suite(
 def test_the_header_lists_every_change_from_the_paper_scale():
     small, paper = get_suite("fedcat", "small"), get_suite("fedcat", "paper")
     assert "clients: 100 → 20" in small.notes[0] and "local epochs" not in small.notes[0]
-    assert "train images: all → 3,000" in small.notes[0] and small.subsample == Subsample(3000, 1000)
-    assert "datasets: MNIST, Fashion-MNIST, CIFAR-10 → MNIST, Fashion-MNIST (CIFAR-10 stays at chance" in small.notes[0]
+    assert "train images: all → 12,000 (600 per client" in small.notes[0] and small.subsample == Subsample(12000, 2000)
+    assert "datasets: MNIST, Fashion-MNIST, CIFAR-10 → MNIST, CIFAR-10" in small.notes[0]
+    assert "methods on CIFAR-10: all → FedAvg, FedCat" in small.notes[0]
+    assert [c.method for c in small.cells if c.dataset == "cifar10"] == ["FedAvg", "FedCat", "Centralized"]
     concat_paper = get_suite("fedconcat", "paper")
     assert [s.name for s in concat_paper.settings][:4] == ["fmnist-c2", "fmnist-c3", "fmnist-dir0.1", "fmnist-dir0.5"]
-    assert "partitions: #C=2, #C=3, Dir(0.1), Dir(0.5) → #C=2, Dir(0.1)" in get_suite("fedconcat", "small").notes[0]
+    assert "partitions: #C=2, #C=3, Dir(0.1), Dir(0.5) → #C=2 (" in get_suite("fedconcat", "small").notes[0]
     assert paper.notes[0].startswith("Paper scale") and paper.subsample is None
     assert "datasets: MNIST, Fashion-MNIST, CIFAR-10 → digits" in get_suite("fedcat", "smoke").notes[0]
     fedavg = paper.cell(paper.settings[0], "FedAvg")
     assert fedavg.num_supernodes == 100 and fedavg.run_config["fraction-train"] == 0.1
 
 
+def test_every_setting_has_a_centralized_row_with_the_suites_model_and_optimizer():
+    suite = get_suite("fedseq", "small")
+    (setting,) = suite.settings
+    centralized = suite.cell(setting, "Centralized")
+    assert centralized.num_supernodes == 1
+    assert centralized.run_config == {
+        "dataset": "cifar10", "strategy": "fedavg", "partition": "iid", "local-test-fraction": 0.0,
+        "model": "lenet5", "batch-size": 64, "lr": 0.01, "momentum": 0.0, "weight-decay": 4e-4,
+        "min-available-nodes": 1, "fraction-train": 1.0, "local-epochs": 1, "num-server-rounds": 10,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"unknown method\(s\) \['FedNope'\]"):
+        BLUEPRINTS["fedseq"].build({**BLUEPRINTS["fedseq"].knobs("small"), "methods": ("FedAvg", "FedNope")})
+
+
+def test_the_centralized_row_is_the_reference_and_the_yardstick_of_the_baseline(tmp_path):
+    suite = tiny_suite()
+    cells = (*suite.cells, Cell(A, "Centralized", 1, {"strategy": "fedavg", "partition": "iid"}))
+    suite = Suite(suite.name, suite.scale, suite.description, cells, suite.columns, targets=suite.targets)
+    write_run(tmp_path, suite.cell(A, "Centralized"), 0, [0.6, 0.8])
+    write_run(tmp_path, suite.cell(A, "Centralized"), 1, [0.7, 0.9])
+    write_run(tmp_path, suite.cell(A, "FedAvg"), 0, [0.5, 0.5])
+    write_run(tmp_path, suite.cell(A, "FedCat"), 0, [0.55, 0.6])
+    write_run(tmp_path, suite.cell(B, "FedAvg"), 0, [0.4, 0.3])
+
+    markdown = write_report(suite, [0, 1], tmp_path).read_text()
+
+    # centralized: (0.8 + 0.9) / 2 = 85 %; FedAvg's 50 % is 59 % of it, under the 2/3 bar
+    assert "Set A: FedAvg 50.0 % = 59% of centralized 85.0 % (below the bar)" in markdown
+    assert "Set A 85.0 % (centralized); Set B 40.0 % (best run (no centralized run))" in markdown
+    # 70 % of 0.85 = 0.595: FedCat at round 2, FedAvg never; 80 % = 0.68: neither
+    rounds = table_rows(markdown, "rounds to 70% of reference")
+    assert rounds["FedCat"] == ["2.0 ± 0.0 (1/2)", "–"] and rounds["FedAvg"] == ["–", "1.0 ± 0.0 (1/2)"]
+
+
+def test_report_only_writes_the_table_from_finished_runs(tmp_path, capsys):
+    suite = get_suite("fedcat", "smoke")
+    write_run(tmp_path / "fedcat", suite.cells[0], 0, [0.4, 0.5])
+    assert main(["fedcat", "--seeds", "0,1", "--report-only", "--out", str(tmp_path)]) == 0
+    assert "| FedAvg | 50.0 ± 0.0 (1/2) |" in capsys.readouterr().out
+    assert not (tmp_path / "data").exists() and (tmp_path / "fedcat" / "table.csv").exists()
+
+
 def test_dry_run_lists_the_runs_and_digits_suites_take_no_scale(capsys):
     assert main(["fedseq", "--scale", "small", "--seeds", "0,1", "--dry-run"]) == 0
-    assert "fedseq (scale small): 9 cells × 2 seed(s) = 18 runs" in capsys.readouterr().out
+    assert "fedseq (scale small): 8 cells × 2 seed(s) = 16 runs" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["fedcat-digits", "--scale", "small", "--dry-run"])
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from ..data.datasets import DATASETS
 from ..launch import exit_on_sigterm
 from . import overhead, stability
 from .inprocess import simulate_in_process
+from .report import write_report
 from .runner import BenchError, cell_config, run_suite, select_cells, simulate_with_flower
 from .suites import BLUEPRINTS, SCALES, SUITE_NAMES, Suite, get_suite
 
@@ -74,6 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         "--setting", action="append", default=[], help="run only this setting (name or label; repeatable)"
     )
     parser.add_argument("--dry-run", action="store_true", help="list the runs and the scale's changes, run nothing")
+    parser.add_argument(
+        "--report-only", action="store_true", help="write the table from the finished runs, run nothing"
+    )
+    parser.add_argument(
+        "--in-process", action="store_true",
+        help="run each cell in this process (concatfl.bench.inprocess), not as a flwr run simulation: "
+        "same accuracy and bytes, without a simulation's ~30 s start per run",
+    )
+    parser.add_argument(
+        "--torch-threads", type=int, default=1, help="with --in-process: torch threads for the training (default 1)"
+    )
     parser.add_argument("--cell-timeout", type=float, default=6 * 3600, help="seconds one run may take (default 6 h)")
     parser.add_argument("--cpus-per-client", type=int, default=1)
     parser.add_argument("--gpus-per-client", type=float, default=0.0, help="GPU share of each simulated client")
@@ -90,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             dry_run(suite, seeds, args.method, args.setting)
             return 0
+        if args.report_only:
+            path = write_report(suite, seeds, Path(args.out) / suite.name)
+            print(path.read_text())
+            return 0
+        in_process = suite.in_process or args.in_process
         path = run_suite(
             suite,
             seeds,
@@ -97,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             data_dirs=parse_data_dirs(args.data_dir),
             methods=args.method,
             settings=args.setting,
-            simulate=simulate_in_process
-            if suite.in_process
+            simulate=partial(simulate_in_process, torch_threads=args.torch_threads)
+            if in_process
             else simulate_with_flower(args.cell_timeout, args.cpus_per_client, args.gpus_per_client),
         )
     except BenchError as error:

@@ -112,16 +112,19 @@ def client_node(run_config: dict[str, Any], partition_id: int, num_partitions: i
     return lambda message: client_app(message, context)
 
 
-def simulate_in_process(run_config: Mapping[str, Any], num_supernodes: int, workdir: Path) -> dict[str, Any]:
+def simulate_in_process(
+    run_config: Mapping[str, Any], num_supernodes: int, workdir: Path, *, torch_threads: int = 1
+) -> dict[str, Any]:
     """Run one cell (`run_config` over the run config's defaults) with `num_supernodes` clients;
-    metrics.json goes to `<workdir>/output` and is returned."""
+    metrics.json goes to `<workdir>/output` and is returned. `torch_threads`: the threads that
+    train every client (1 by default; the machine's cores when nothing else runs)."""
     config = RunConfig.from_mapping({**run_config, "output-dir": str(Path(workdir) / "output")}).as_dict()
     grid = InProcessGrid({FIRST_NODE_ID + i: client_node(config, i, num_supernodes) for i in range(num_supernodes)})
-    # One process trains every client: one torch thread each avoids oversubscribing the cores
-    # (two threads on a busy 2-core machine made training many times slower). The caller's
+    # One process trains every client: one torch thread by default avoids oversubscribing the
+    # cores (two threads on a busy 2-core machine made training many times slower). The caller's
     # setting is restored afterwards.
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(torch_threads)
     # Flower stamps every new Message with the running task's identity, which its runtime sets.
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
     flower_log = logging.getLogger("flwr")

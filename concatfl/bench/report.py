@@ -22,7 +22,7 @@ from matplotlib.ticker import MaxNLocator
 from ..metrics import METRICS_FILE, read_metrics
 from .columns import Column, Metrics, best_accuracy, curve, rounds_to
 from .data import describe
-from .suites import Setting, Suite
+from .suites import CENTRALIZED, Setting, Suite
 
 TABLE_MD = "table.md"
 TABLE_CSV = "table.csv"
@@ -30,6 +30,8 @@ PLOTS_DIR = "plots"
 MISSING = "–"
 # The row every gain is measured against, and the gain column's title.
 BASELINE = "FedAvg"
+# A baseline "learns" when its final accuracy reaches this share of the centralized row's.
+LEARNING_SHARE = 2 / 3
 GAIN_TITLE = "gain over FedAvg (points): ours / paper"
 
 Runs = dict[tuple[str, str], list[Metrics]]  # (setting name, method) → the finished runs' metrics
@@ -64,18 +66,35 @@ def load_runs(suite: Suite, seeds: Sequence[int], suite_dir: Path) -> Runs:
     return runs
 
 
-def reference_accuracy(runs: Runs, setting: Setting) -> float | None:
-    """The best accuracy any finished run of `setting` reached (any method, seed and round).
-
-    The reference for the rounds-to-target columns when no centralized run exists.
-    """
+def reference_accuracy(runs: Runs, setting: Setting) -> tuple[float | None, bool]:
+    """The setting's reference accuracy and whether it is centralized: the mean final accuracy of
+    its centralized runs, or else the best accuracy any finished run reached (any method, seed and
+    round)."""
+    centralized = runs.get((setting.name, CENTRALIZED), [])
+    if centralized:
+        return mean_std([m["final_accuracy"] for m in centralized])[0], True
     reached = [best_accuracy(m) for (name, _), metrics in runs.items() if name == setting.name for m in metrics]
-    return max(reached) if reached else None
+    return (max(reached) if reached else None), False
+
+
+def baseline_against_centralized(runs: Runs, setting: Setting) -> str | None:
+    """How far the setting's FedAvg got against its centralized row and the bar of
+    LEARNING_SHARE of it; None if either has no finished run."""
+    centralized, baseline = runs.get((setting.name, CENTRALIZED), []), runs.get((setting.name, BASELINE), [])
+    if not centralized or not baseline:
+        return None
+    reference = mean_std([m["final_accuracy"] for m in centralized])[0]
+    reached = mean_std([m["final_accuracy"] for m in baseline])[0]
+    verdict = "learns" if reached >= LEARNING_SHARE * reference else "below the bar"
+    return (
+        f"{setting.label}: {BASELINE} {100 * reached:.1f} % = {reached / reference:.0%} of centralized "
+        f"{100 * reference:.1f} % ({verdict})"
+    )
 
 
 def columns_for(suite: Suite, runs: Runs, setting: Setting) -> list[Column]:
     """The suite's columns, plus its rounds-to-target columns measured against this setting's reference."""
-    reference = reference_accuracy(runs, setting)
+    reference, _ = reference_accuracy(runs, setting)
     targets = [
         Column(f"rounds to {t:.0%} of reference", _none if reference is None else rounds_to(t * reference), 1)
         for t in suite.targets
@@ -193,13 +212,23 @@ def _header(suite: Suite, seeds: Sequence[int], runs: Runs) -> list[str]:
             else f"Paper column: the papers' figures were not available to the harness, so every one shows "
             f"{MISSING} (known figures go into PAPER in concatfl/bench/suites.py)."
         )
-    if suite.targets:
-        references = [(s.label, reference_accuracy(runs, s)) for s in suite.settings]
+    learned = [text for s in suite.settings if (text := baseline_against_centralized(runs, s)) is not None]
+    if learned:
         notes.append(
-            "Rounds to reach a share of the reference accuracy: no centralized run was made, so the "
-            "reference is the best accuracy any run of the setting reached (any method, seed, round): "
-            + "; ".join(f"{label} {MISSING if ref is None else f'{100 * ref:.1f} %'}" for label, ref in references)
-            + ". Mean over the seeds that reached it."
+            f"Does the baseline learn? (bar: {LEARNING_SHARE:.0%} of the centralized row's final accuracy) "
+            + "; ".join(learned)
+            + "."
+        )
+    if suite.targets:
+        references = []
+        for s in suite.settings:
+            reference, centralized = reference_accuracy(runs, s)
+            kind = "centralized" if centralized else "best run (no centralized run)"
+            references.append(f"{s.label} {MISSING if reference is None else f'{100 * reference:.1f} %'} ({kind})")
+        notes.append(
+            "Rounds to reach a share of the reference accuracy: the reference is the centralized row's "
+            "mean final accuracy, or where that row has no run the best accuracy any run of the setting "
+            "reached (any method, seed, round): " + "; ".join(references) + ". Mean over the seeds that reached it."
         )
     return [
         f"## {suite.name} — scale `{suite.scale}`",

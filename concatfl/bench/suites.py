@@ -5,11 +5,13 @@ paper's table (dataset × partition), a method a row. Each cell is one run confi
 seed) and a number of simulated clients.
 
 * `fedcat`, `fedconcat`, `fedseq` follow the three papers' settings and come in three scales:
-  `paper` (the papers' settings, meant for a GPU), `small` (a stratified subsample of the real
-  data, one or two settings, fewer clients and rounds; 25–45 min per suite and seed on 2 CPU
-  cores) and
-  `smoke` (scikit-learn's digits, a few rounds; minutes). Each scale is a table of named knobs;
-  every knob that differs from the paper scale is listed in the table's header, from → to.
+  `paper` (the papers' settings, meant for a GPU), `small` (a slice of the paper's experiment:
+  each client holds the paper's amount of real data, but there are fewer clients, settings,
+  methods and rounds; 10–15 min per suite and seed on 2 CPU cores, in process) and `smoke`
+  (scikit-learn's digits, a few rounds; minutes). Each scale is a table of named knobs; every
+  knob that differs from the paper scale is listed in the table's header, from → to. Every
+  setting has a "Centralized" row: the same model and optimizer trained on the setting's whole
+  training set by one client, the yardstick for the federated rows.
 * `fedcat-digits`, `fedseq-digits`, `fedconcat-digits`, `baselines-digits` are the earlier
   single-setting digits comparisons, unchanged (same labels, same output paths).
 """
@@ -134,6 +136,9 @@ def _paper_table(methods: dict[str, tuple[float | None, ...]], settings: tuple[s
     }
 
 
+# The row of every setting that trains on all of the setting's data in one client.
+CENTRALIZED = "Centralized"
+
 # The papers' own figures (test accuracy, %, at the papers' scale), keyed by (method label, setting
 # name), as the papers' tables report them. FedCat: Tables 1/3 (final accuracy after 200 rounds);
 # FedConcat: Table 1 (3 seeds; Fashion-MNIST read at classifier round 173); FedSeq: accuracy
@@ -159,6 +164,7 @@ PAPER: dict[str, dict[tuple[str, str], float | None]] = {
             "FedLC": (77.7, None, None, None, 49.8, None, None, None),
             "FedConcat": (84.4, 87.1, 84.5, 87.7, 56.9, 62.0, 57.7, 64.2),
             "FedConcat-ID": (83.0, 86.6, 85.0, None, 56.5, 61.8, 56.9, 63.7),
+            CENTRALIZED: (88.4, 88.4, 88.4, 88.4, 70.2, 70.2, 70.2, 70.2),
         },
         ("fmnist-c2", "fmnist-c3", "fmnist-dir0.1", "fmnist-dir0.5", "cifar10-c2", "cifar10-c3", "cifar10-dir0.1", "cifar10-dir0.5"),
     ),
@@ -170,16 +176,16 @@ PAPER: dict[str, dict[tuple[str, str], float | None]] = {
             "FedSeq (greedy+KL)": (82.21, 82.20, 82.23),
             "FedSeqInter": (82.65, 82.79, 83.32),
             "FedSeq + FedDyn": (82.90, 83.55, 83.95),
+            CENTRALIZED: (85.72, 85.72, 85.72),
         },
         ("cifar10-dir0", "cifar10-dir0.2", "cifar10-dir0.5"),
     ),
 }
 
-# Knobs set the same way in every suite at a scale: the data it trains on.
-_SMOKE_DATA = {"datasets": ("digits",), "train images": None, "test images": None}
-_SMALL_DATA = {"train images": 6000, "test images": 1000}
-# Why `small` drops CIFAR-10 from fedconcat and fedseq.
-_CIFAR10_LEFT_OUT = "CIFAR-10 left out to fit the time of 2 CPU cores (see fedcat for how it fares at this scale)"
+# Knobs set the same way in every suite at a scale: the data it trains on, which methods run.
+_EVERY_METHOD = {"methods": None, "methods on CIFAR-10": None, "centralized epochs": 10}
+_SMOKE_DATA = {"datasets": ("digits",), "train images": None, "test images": None, "centralized epochs": 3}
+_SMALL_TEST_IMAGES = 2000
 _CLIENTS_TRAIN_ON_ALL = {"local-test-fraction": 0.0}  # clients train on their whole partition, as in the papers
 
 
@@ -251,17 +257,55 @@ def _cells(
     shared: dict[str, Any],
     methods: Callable[[str], dict[str, dict[str, Any]]],
 ) -> list[Cell]:
-    """Cells for every dataset × partition × method: `partitions` are (name, label, overrides),
-    `methods(dataset)` maps method labels to their overrides."""
+    """Cells for every dataset × partition × method the knobs keep, then a centralized row per
+    setting: `partitions` are (name, label, overrides), `methods(dataset)` maps method labels
+    to their overrides, `shared` holds the model and optimizer (the centralized row keeps only
+    those)."""
     cells = []
     for dataset in knobs["datasets"]:
+        every = methods(dataset)
+        kept = _kept_methods(knobs, dataset, every)
         for name, label, partition in partitions:
             setting = Setting(f"{dataset}-{name}", f"{LABELS[dataset]} {label}")
             base = {"dataset": dataset, **partition, **_CLIENTS_TRAIN_ON_ALL, **shared}
             base["min-available-nodes"] = knobs["clients"]
-            for method, overrides in methods(dataset).items():
-                cells.append(Cell(setting, method, knobs["clients"], paper_exact({**base, **overrides})))
+            for method in kept:
+                cells.append(Cell(setting, method, knobs["clients"], paper_exact({**base, **every[method]})))
+            cells.append(Cell(setting, CENTRALIZED, 1, _centralized(dataset, shared, knobs["centralized epochs"])))
     return cells
+
+
+def _kept_methods(knobs: Knobs, dataset: str, every: Mapping[str, Any]) -> list[str]:
+    """The method labels a scale runs on `dataset`, in the table's order (None: all of them)."""
+    wanted = knobs["methods on CIFAR-10"] if dataset == "cifar10" else None
+    wanted = wanted if wanted is not None else knobs["methods"]
+    if wanted is None:
+        return list(every)
+    unknown = [method for method in wanted if method not in every]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown} in the scale's knobs; known: {list(every)}")
+    return [method for method in every if method in wanted]
+
+
+# Run-config keys of a suite's `shared` settings that describe the model and its local training.
+_TRAINING_KEYS = ("model", "batch-size", "lr", "momentum", "weight-decay")
+
+
+def _centralized(dataset: str, shared: Mapping[str, Any], epochs: int) -> dict[str, Any]:
+    """One client holding the setting's whole training set, one local epoch per round, `epochs`
+    rounds: the same model and optimizer as the federated rows (FedAvg over a single client)."""
+    training = {key: shared[key] for key in _TRAINING_KEYS if key in shared}
+    return {
+        "dataset": dataset,
+        "strategy": "fedavg",
+        "partition": "iid",
+        **_CLIENTS_TRAIN_ON_ALL,
+        **training,
+        "min-available-nodes": 1,
+        "fraction-train": 1.0,
+        "local-epochs": 1,
+        "num-server-rounds": epochs,
+    }
 
 
 def _dirichlet(alphas: tuple[float, ...], label: Callable[[float], str]) -> list[tuple[str, str, dict[str, Any]]]:
@@ -389,16 +433,19 @@ BLUEPRINTS: dict[str, Blueprint] = {
             "local epochs": 5,
             "train images": None,
             "test images": None,
+            **_EVERY_METHOD,
         },
         {
             "small": {
-                **_SMALL_DATA,
-                "datasets": ("mnist", "fmnist"),
+                "datasets": ("mnist", "cifar10"),
                 "Dirichlet α": (0.1,),
-                "train images": 3000,
                 "clients": 20,
                 "devices per round (K)": 4,
-                "rounds": 20,
+                "rounds": 16,
+                "train images": 20 * 600,
+                "test images": _SMALL_TEST_IMAGES,
+                "methods": ("FedAvg", "SCAFFOLD", "FedCat"),
+                "methods on CIFAR-10": ("FedAvg", "FedCat"),
             },
             "smoke": {**_SMOKE_DATA, "clients": 10, "devices per round (K)": 2, "rounds": 4},
         },
@@ -411,8 +458,11 @@ BLUEPRINTS: dict[str, Blueprint] = {
         ),
         knob_notes={
             "devices per round (K)": "fraction-train K/clients",
-            "datasets": "CIFAR-10 stays at chance at this scale: 20 rounds at Dir(0.1) on 6,000 images ended at "
-            "11.4 % (FedAvg) and 10.0 % (FedCat), 3 min a run",
+            "datasets": "Fashion-MNIST is not in the paper's tables",
+            "rounds": "4 aggregations of the K copies; the McMahan CNN trains ~1,700 images/s here",
+            "train images": "600 per client, the paper's MNIST (its CIFAR-10: 500)",
+            "methods": "the rows the time allows: FedProx changed little in the paper, the ablations "
+            "are CIFAR-10-only rows there",
         },
     ),
     "fedconcat": Blueprint(
@@ -434,17 +484,19 @@ BLUEPRINTS: dict[str, Blueprint] = {
             "classifier rounds": 200,
             "train images": None,
             "test images": None,
+            **_EVERY_METHOD,
         },
         {
             "small": {
-                **_SMALL_DATA,
-                "datasets": ("fmnist",),
-                "partitions": ("#C=2", "Dir(0.1)"),
+                "partitions": ("#C=2",),
                 "clients": 20,
                 "local epochs": 2,
-                "baseline rounds": 10,
-                "encoder rounds": 6,
-                "classifier rounds": 40,
+                "baseline rounds": 15,
+                "encoder rounds": 9,
+                "classifier rounds": 60,
+                "train images": 20 * 1500,
+                "test images": _SMALL_TEST_IMAGES,
+                "methods on CIFAR-10": ("FedAvg", "FedConcat", "FedConcat-ID"),
             },
             "smoke": {
                 **_SMOKE_DATA,
@@ -472,9 +524,11 @@ BLUEPRINTS: dict[str, Blueprint] = {
         ),
         knob_notes={
             "model": "simple-cnn needs ≥ 16×16 inputs",
-            "datasets": _CIFAR10_LEFT_OUT,
-            "partitions": "the strongest and a milder skew; all four take twice as long",
+            "partitions": "the paper's headline column; each partition adds 10 runs per seed",
+            "local epochs": "a round of 10 epochs is ~15 s (Fashion-MNIST) to ~25 s (CIFAR-10) of training here",
             "baseline rounds": "encoder/classifier rounds in the same ratio",
+            "train images": "1,500 per client, the paper's Fashion-MNIST (its CIFAR-10: 1,250)",
+            "methods on CIFAR-10": "the paper's question (FedConcat against FedAvg) in the time left",
         },
     ),
     "fedseq": Blueprint(
@@ -493,16 +547,26 @@ BLUEPRINTS: dict[str, Blueprint] = {
             "pre-training epochs": 10,
             "train images": None,
             "test images": None,
+            **_EVERY_METHOD,
         },
         {
             "small": {
-                **_SMALL_DATA,
-                "datasets": ("fmnist",),
+                "datasets": ("cifar10",),
                 "α": (0.0,),
-                "train images": 10000,
-                "clients": 50,
-                "rounds": 30,
-                "pre-training epochs": 2,
+                "clients": 100,
+                "rounds": 40,
+                "pre-training epochs": 5,
+                "train images": 100 * 100,
+                "test images": _SMALL_TEST_IMAGES,
+                "methods": (
+                    "FedAvg",
+                    "SCAFFOLD",
+                    "FedDyn",
+                    "FedSeq (greedy+KL)",
+                    "FedSeq (random grouping)",
+                    "FedSeqInter",
+                    "FedSeq + FedDyn",
+                ),
             },
             "smoke": {
                 **_SMOKE_DATA,
@@ -531,10 +595,14 @@ BLUEPRINTS: dict[str, Blueprint] = {
         ),
         targets=(0.7, 0.8),
         knob_notes={
-            "train images": "200 per client (CIFAR-10 at paper scale: 100), so 30 rounds train past chance",
+            "train images": "100 per client, the paper's; a superclient of ≥ 800 images has ≥ 8 one-class "
+            "clients, so it can cover every class",
             "model": "LeNet-5 needs ≥ 16×16 inputs",
-            "datasets": _CIFAR10_LEFT_OUT,
-            "α": "FedSeq's hardest skew only; each α adds 9 runs per seed",
+            "datasets": "the paper's dataset; Fashion-MNIST is not in its tables",
+            "α": "FedSeq's hardest skew only; each α adds 8 runs per seed",
+            "rounds": "LeNet-5 trains ~1,260 CIFAR-10 images/s here",
+            "pre-training epochs": "each FedSeq run pre-trains every client's model",
+            "methods": "the paper's rows and random grouping; FedProx rows are not in its tables",
         },
     ),
 }
