@@ -378,3 +378,9 @@ def test_smoke_scale_runs_through_flower_and_writes_table_csv_and_plots(tmp_path
     capsys.readouterr()
     assert main(args) == 0  # everything finished: nothing runs again
     assert capsys.readouterr().out.count("done earlier") == 2
+
+
+def test_a_scale_note_says_why_a_baseline_cannot_learn_at_that_scale():
+    notes = get_suite("fedseq", "small").notes
+    assert notes[-1].startswith("Why no row clears the bar here") and "4,036 rounds" in notes[-1]
+    assert not any(note.startswith("Why") for note in get_suite("fedseq", "paper").notes)
