@@ -7,7 +7,7 @@ seed) and a number of simulated clients.
 * `fedcat`, `fedconcat`, `fedseq` follow the three papers' settings and come in three scales:
   `paper` (the papers' settings, meant for a GPU), `small` (a slice of the paper's experiment:
   each client holds the paper's amount of real data, but there are fewer clients, settings,
-  methods and rounds; 10–15 min per suite and seed on 2 CPU cores, in process) and `smoke`
+  methods and rounds; 13–23 min per suite and seed on 2 CPU cores, in process) and `smoke`
   (scikit-learn's digits, a few rounds; minutes). Each scale is a table of named knobs; every
   knob that differs from the paper scale is listed in the table's header, from → to. Every
   setting has a "Centralized" row: the same model and optimizer trained on the setting's whole
@@ -182,8 +182,8 @@ PAPER: dict[str, dict[tuple[str, str], float | None]] = {
     ),
 }
 
-# Knobs set the same way in every suite at a scale: the data it trains on, which methods run.
-_EVERY_METHOD = {"methods": None, "methods on CIFAR-10": None, "centralized epochs": 10}
+# Knobs set the same way in every suite at a scale: the data it trains on, which rows run.
+_EVERY_ROW = {"methods": None, "methods on CIFAR-10": None, "centralized epochs": 10}
 _SMOKE_DATA = {"datasets": ("digits",), "train images": None, "test images": None, "centralized epochs": 3}
 _SMALL_TEST_IMAGES = 2000
 _CLIENTS_TRAIN_ON_ALL = {"local-test-fraction": 0.0}  # clients train on their whole partition, as in the papers
@@ -435,7 +435,7 @@ BLUEPRINTS: dict[str, Blueprint] = {
             "local epochs": 5,
             "train images": None,
             "test images": None,
-            **_EVERY_METHOD,
+            **_EVERY_ROW,
         },
         {
             "small": {
@@ -491,7 +491,7 @@ BLUEPRINTS: dict[str, Blueprint] = {
             "classifier rounds": 200,
             "train images": None,
             "test images": None,
-            **_EVERY_METHOD,
+            **_EVERY_ROW,
         },
         {
             "small": {
@@ -558,7 +558,7 @@ BLUEPRINTS: dict[str, Blueprint] = {
             "pre-training epochs": 10,
             "train images": None,
             "test images": None,
-            **_EVERY_METHOD,
+            **_EVERY_ROW,
         },
         {
             "small": {
