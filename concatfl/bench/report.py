@@ -66,13 +66,19 @@ def load_runs(suite: Suite, seeds: Sequence[int], suite_dir: Path) -> Runs:
     return runs
 
 
+def mean_final_accuracy(runs: Runs, setting: Setting, method: str) -> float | None:
+    """The mean final accuracy of the finished runs of (setting, method); None if there are none."""
+    metrics = runs.get((setting.name, method), [])
+    return mean_std([m["final_accuracy"] for m in metrics])[0] if metrics else None
+
+
 def reference_accuracy(runs: Runs, setting: Setting) -> tuple[float | None, bool]:
     """The setting's reference accuracy and whether it is centralized: the mean final accuracy of
     its centralized runs, or else the best accuracy any finished run reached (any method, seed and
     round)."""
-    centralized = runs.get((setting.name, CENTRALIZED), [])
-    if centralized:
-        return mean_std([m["final_accuracy"] for m in centralized])[0], True
+    centralized = mean_final_accuracy(runs, setting, CENTRALIZED)
+    if centralized is not None:
+        return centralized, True
     reached = [best_accuracy(m) for (name, _), metrics in runs.items() if name == setting.name for m in metrics]
     return (max(reached) if reached else None), False
 
@@ -80,11 +86,10 @@ def reference_accuracy(runs: Runs, setting: Setting) -> tuple[float | None, bool
 def baseline_against_centralized(runs: Runs, setting: Setting) -> str | None:
     """How far the setting's FedAvg got against its centralized row and the bar of
     LEARNING_SHARE of it; None if either has no finished run."""
-    centralized, baseline = runs.get((setting.name, CENTRALIZED), []), runs.get((setting.name, BASELINE), [])
-    if not centralized or not baseline:
+    reference = mean_final_accuracy(runs, setting, CENTRALIZED)
+    reached = mean_final_accuracy(runs, setting, BASELINE)
+    if reference is None or reached is None:
         return None
-    reference = mean_std([m["final_accuracy"] for m in centralized])[0]
-    reached = mean_std([m["final_accuracy"] for m in baseline])[0]
     verdict = "learns" if reached >= LEARNING_SHARE * reference else "below the bar"
     return (
         f"{setting.label}: {BASELINE} {100 * reached:.1f} % = {reached / reference:.0%} of centralized "
