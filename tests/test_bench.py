@@ -243,8 +243,9 @@ def test_the_header_lists_every_change_from_the_paper_scale():
     assert "clients: 100 → 20" in small.notes[0] and "local epochs" not in small.notes[0]
     assert "train images: all → 12,000 (600 per client" in small.notes[0] and small.subsample == Subsample(12000, 2000)
     assert "datasets: MNIST, Fashion-MNIST, CIFAR-10 → MNIST, CIFAR-10" in small.notes[0]
-    assert "methods on CIFAR-10: all → FedAvg, FedCat" in small.notes[0]
-    assert [c.method for c in small.cells if c.dataset == "cifar10"] == ["FedAvg", "FedCat", "Centralized"]
+    assert "on CIFAR-10: no change → [Dirichlet α: 0.1, 1.0; methods: FedAvg, FedCat] (" in small.notes[0]
+    cifar10 = [(c.setting.label, c.method) for c in small.cells if c.dataset == "cifar10"]
+    assert cifar10 == [(f"CIFAR-10 Dir({a})", m) for a in ("0.1", "1.0") for m in ("FedAvg", "FedCat", "Centralized")]
     concat_paper = get_suite("fedconcat", "paper")
     assert [s.name for s in concat_paper.settings][:4] == ["fmnist-c2", "fmnist-c3", "fmnist-dir0.1", "fmnist-dir0.5"]
     assert "partitions: #C=2, #C=3, Dir(0.1), Dir(0.5) → #C=2 (" in get_suite("fedconcat", "small").notes[0]
@@ -265,7 +266,23 @@ def test_every_setting_has_a_centralized_row_with_the_suites_model_and_optimizer
         "min-available-nodes": 1, "fraction-train": 1.0, "local-epochs": 1, "num-server-rounds": 10,
     }  # fmt: skip
     with pytest.raises(ValueError, match=r"unknown method\(s\) \['FedNope'\]"):
-        BLUEPRINTS["fedseq"].build({**BLUEPRINTS["fedseq"].knobs("small"), "methods": ("FedAvg", "FedNope")})
+        BLUEPRINTS["fedseq"].cells({**BLUEPRINTS["fedseq"].knobs("small"), "methods": ("FedAvg", "FedNope")})
+
+
+def test_cifar10_settings_take_the_scales_cifar10_knobs_and_only_they_do():
+    suite = get_suite("fedconcat", "small")
+    rows = [(c.setting.name, c.method) for c in suite.cells if c.method in ("FedAvg", "MOON", "FedConcat-ID")]
+    assert rows == [
+        ("fmnist-c2", "FedAvg"), ("fmnist-c2", "MOON"), ("fmnist-c2", "FedConcat-ID"),
+        ("cifar10-c2", "FedAvg"), ("cifar10-c2", "FedConcat-ID"),
+        ("cifar10-dir0.5", "FedAvg"), ("cifar10-dir0.5", "FedConcat-ID"),
+    ]  # fmt: skip
+    dirichlet = suite.cell(suite.settings[-1], "FedAvg").run_config
+    assert (dirichlet["partition"], dirichlet["alpha"], dirichlet["num-server-rounds"]) == ("dirichlet", 0.5, 15)
+    assert "[partitions: #C=2, Dir(0.5); methods: FedAvg, FedConcat, FedConcat-ID]" in suite.notes[0]
+    knobs = BLUEPRINTS["fedconcat"].knobs("small")
+    with pytest.raises(ValueError, match=r"unknown knob\(s\) \['base rounds'\] in the scale's 'on CIFAR-10'"):
+        BLUEPRINTS["fedconcat"].cells({**knobs, "on CIFAR-10": {"base rounds": 50}})
 
 
 def test_the_centralized_row_is_the_reference_and_the_yardstick_of_the_baseline(tmp_path):

@@ -38,6 +38,10 @@ from .data import LABELS, Subsample
 
 SCALES = ("smoke", "small", "paper")
 Knobs = dict[str, Any]
+# What a suite's builder gives for one dataset: its partitions (folder, label, run-config
+# overrides), the settings every row shares (model, optimizer, rounds) and its methods (label →
+# run-config overrides).
+Rows = tuple[list[tuple[str, str, dict[str, Any]]], dict[str, Any], dict[str, dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -182,8 +186,9 @@ PAPER: dict[str, dict[tuple[str, str], float | None]] = {
     ),
 }
 
-# Knobs set the same way in every suite at a scale: the data it trains on, which rows run.
-_EVERY_ROW = {"methods": None, "methods on CIFAR-10": None, "centralized epochs": 10}
+# Knobs set the same way in every suite at a scale: which rows run, what differs on CIFAR-10
+# (knob → value, applied to its settings only), how long the centralized row trains.
+_EVERY_ROW = {"methods": None, "on CIFAR-10": {}, "centralized epochs": 10}
 _SMOKE_DATA = {"datasets": ("digits",), "train images": None, "test images": None, "centralized epochs": 3}
 _SMALL_TEST_IMAGES = 2000
 _CLIENTS_TRAIN_ON_ALL = {"local-test-fraction": 0.0}  # clients train on their whole partition, as in the papers
@@ -191,11 +196,12 @@ _CLIENTS_TRAIN_ON_ALL = {"local-test-fraction": 0.0}  # clients train on their w
 
 @dataclass(frozen=True)
 class Blueprint:
-    """A papers' suite at any scale: `build` turns a scale's knobs into cells."""
+    """A papers' suite at any scale: `rows` gives, per dataset and its knobs, the partitions,
+    shared settings and methods that `cells` turns into the table's cells."""
 
     name: str
     description: str
-    build: Callable[[Knobs], list[Cell]]
+    rows: Callable[[str, Knobs], Rows]
     paper_knobs: Knobs
     scale_knobs: dict[str, Knobs]  # per scale: the knobs that differ from the paper's
     columns: tuple[Column, ...]
@@ -207,6 +213,10 @@ class Blueprint:
     def knobs(self, scale: str) -> Knobs:
         """Every knob at `scale`."""
         return {**self.paper_knobs, **self.scale_knobs.get(scale, {})}
+
+    def cells(self, knobs: Knobs) -> list[Cell]:
+        """The suite's cells under `knobs`."""
+        return _cells(knobs, self.rows)
 
     def suite(self, scale: str) -> Suite:
         """The suite at `scale`, its header listing every knob changed from the paper scale."""
@@ -229,7 +239,7 @@ class Blueprint:
             name=self.name,
             scale=scale,
             description=self.description,
-            cells=tuple(self.build(knobs)),
+            cells=tuple(self.cells(knobs)),
             columns=self.columns,
             notes=(
                 scaled,
@@ -248,39 +258,45 @@ def _show(value: Any) -> str:
         return "all"
     if isinstance(value, tuple):
         return ", ".join(_show(v) for v in value)
+    if isinstance(value, dict):
+        return "[" + "; ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "]" if value else "no change"
     if isinstance(value, str):
         return LABELS.get(value, value)
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
-def _cells(
-    knobs: Knobs,
-    partitions: list[tuple[str, str, dict[str, Any]]],
-    shared: dict[str, Any],
-    methods: Callable[[str], dict[str, dict[str, Any]]],
-) -> list[Cell]:
+def _cells(knobs: Knobs, rows: Callable[[str, Knobs], Rows]) -> list[Cell]:
     """Cells for every dataset × partition × method the knobs keep, then a centralized row per
-    setting: `partitions` are (name, label, overrides), `methods(dataset)` maps method labels
-    to their overrides, `shared` holds the model and optimizer (the centralized row keeps only
-    those)."""
+    setting (it keeps only the model and optimizer of the shared settings). A dataset's rows are
+    built from its own knobs: CIFAR-10's take the scale's "on CIFAR-10" overrides."""
     cells = []
     for dataset in knobs["datasets"]:
-        every = methods(dataset)
-        kept = _kept_methods(knobs, dataset, every)
+        local = _knobs_on(dataset, knobs)
+        partitions, shared, every = rows(dataset, local)
+        kept = _kept_methods(local, every)
         for name, label, partition in partitions:
             setting = Setting(f"{dataset}-{name}", f"{LABELS[dataset]} {label}")
             base = {"dataset": dataset, **partition, **_CLIENTS_TRAIN_ON_ALL, **shared}
-            base["min-available-nodes"] = knobs["clients"]
+            base["min-available-nodes"] = local["clients"]
             for method in kept:
-                cells.append(Cell(setting, method, knobs["clients"], paper_exact({**base, **every[method]})))
-            cells.append(Cell(setting, CENTRALIZED, 1, _centralized(dataset, shared, knobs["centralized epochs"])))
+                cells.append(Cell(setting, method, local["clients"], paper_exact({**base, **every[method]})))
+            cells.append(Cell(setting, CENTRALIZED, 1, _centralized(dataset, shared, local["centralized epochs"])))
     return cells
 
 
-def _kept_methods(knobs: Knobs, dataset: str, every: Mapping[str, Any]) -> list[str]:
-    """The method labels a scale runs on `dataset`, in the table's order (None: all of them)."""
-    wanted = knobs["methods on CIFAR-10"] if dataset == "cifar10" else None
-    wanted = wanted if wanted is not None else knobs["methods"]
+def _knobs_on(dataset: str, knobs: Knobs) -> Knobs:
+    """The knobs `dataset`'s settings run with: the scale's, and on CIFAR-10 its "on CIFAR-10" ones."""
+    if dataset != "cifar10":
+        return knobs
+    unknown = sorted(set(knobs["on CIFAR-10"]) - set(knobs))
+    if unknown:
+        raise ValueError(f"unknown knob(s) {unknown} in the scale's 'on CIFAR-10'; known: {sorted(knobs)}")
+    return {**knobs, **knobs["on CIFAR-10"]}
+
+
+def _kept_methods(knobs: Knobs, every: Mapping[str, Any]) -> list[str]:
+    """The method labels the knobs run, in the table's order (None: all of them)."""
+    wanted = knobs["methods"]
     if wanted is None:
         return list(every)
     unknown = [method for method in wanted if method not in every]
@@ -318,17 +334,15 @@ def _dirichlet(alphas: tuple[float, ...], label: Callable[[float], str]) -> list
 FEDCAT_PROX_MU = {"mnist": 0.1, "fmnist": 0.1, "cifar10": 0.01, "digits": 0.1}
 
 
-def _fedcat(knobs: Knobs) -> list[Cell]:
-    def methods(dataset: str) -> dict[str, dict[str, Any]]:
-        return {
-            "FedAvg": {"strategy": "fedavg"},
-            "FedProx": {"strategy": "fedavg", "local-objective": "fedprox", "proximal-mu": FEDCAT_PROX_MU[dataset]},
-            "SCAFFOLD": {"strategy": "scaffold"},
-            "FedCat": {"strategy": "fedcat"},
-            "FedCat w/ GC (no concatenation)": {"strategy": "fedcat", "fedcat-concat": False},
-            "FedCat w/ DC (random selection)": {"strategy": "fedcat", "fedcat-selection": "random"},
-        }
-
+def _fedcat(dataset: str, knobs: Knobs) -> Rows:
+    methods = {
+        "FedAvg": {"strategy": "fedavg"},
+        "FedProx": {"strategy": "fedavg", "local-objective": "fedprox", "proximal-mu": FEDCAT_PROX_MU[dataset]},
+        "SCAFFOLD": {"strategy": "scaffold"},
+        "FedCat": {"strategy": "fedcat"},
+        "FedCat w/ GC (no concatenation)": {"strategy": "fedcat", "fedcat-concat": False},
+        "FedCat w/ DC (random selection)": {"strategy": "fedcat", "fedcat-selection": "random"},
+    }
     shared = {
         "model": knobs["model"],
         "num-server-rounds": knobs["rounds"],
@@ -339,7 +353,7 @@ def _fedcat(knobs: Knobs) -> list[Cell]:
         "lr": 0.01,
         "momentum": 0.9,
     }
-    return _cells(knobs, _dirichlet(knobs["Dirichlet α"], lambda a: f"Dir({a:g})"), shared, methods)
+    return _dirichlet(knobs["Dirichlet α"], lambda a: f"Dir({a:.1f})"), shared, methods
 
 
 # The FedConcat paper's label skews: table column → (setting folder, label, run-config overrides).
@@ -353,23 +367,21 @@ FEDCONCAT_PARTITIONS = {
 }
 
 
-def _fedconcat(knobs: Knobs) -> list[Cell]:
+def _fedconcat(_: str, knobs: Knobs) -> Rows:
     baseline_rounds = {"num-server-rounds": knobs["baseline rounds"]}
     concat_rounds = {
         "fedconcat-encoder-rounds": knobs["encoder rounds"],
         "fedconcat-classifier-rounds": knobs["classifier rounds"],
     }
-
-    def methods(_: str) -> dict[str, dict[str, Any]]:
-        return {
-            "FedAvg": {"strategy": "fedavg", **baseline_rounds},
-            "FedProx": {"strategy": "fedavg", "local-objective": "fedprox", "proximal-mu": 0.01, **baseline_rounds},
-            "MOON": {"strategy": "fedavg", "local-objective": "moon", **baseline_rounds},
-            "FedRS": {"strategy": "fedavg", "local-objective": "fedrs", **baseline_rounds},
-            "FedLC": {"strategy": "fedavg", "local-objective": "fedlc", **baseline_rounds},
-            "FedConcat": {"strategy": "fedconcat", **concat_rounds},
-            "FedConcat-ID": {"strategy": "fedconcat-id", **concat_rounds},
-        }
+    methods = {
+        "FedAvg": {"strategy": "fedavg", **baseline_rounds},
+        "FedProx": {"strategy": "fedavg", "local-objective": "fedprox", "proximal-mu": 0.01, **baseline_rounds},
+        "MOON": {"strategy": "fedavg", "local-objective": "moon", **baseline_rounds},
+        "FedRS": {"strategy": "fedavg", "local-objective": "fedrs", **baseline_rounds},
+        "FedLC": {"strategy": "fedavg", "local-objective": "fedlc", **baseline_rounds},
+        "FedConcat": {"strategy": "fedconcat", **concat_rounds},
+        "FedConcat-ID": {"strategy": "fedconcat-id", **concat_rounds},
+    }
 
     shared = {
         "model": knobs["model"],
@@ -381,26 +393,24 @@ def _fedconcat(knobs: Knobs) -> list[Cell]:
         "fedconcat-clusters": str(knobs["clusters (K)"]),
         "fedconcat-classifier-steps": 3,
     }
-    partitions = [FEDCONCAT_PARTITIONS[label] for label in knobs["partitions"]]
-    return _cells(knobs, partitions, shared, methods)
+    return [FEDCONCAT_PARTITIONS[label] for label in knobs["partitions"]], shared, methods
 
 
-def _fedseq(knobs: Knobs) -> list[Cell]:
-    def methods(_: str) -> dict[str, dict[str, Any]]:
-        fedseq = {"strategy": "fedseq", "report-label-counts": True}
-        prox = {"local-objective": "fedprox", "proximal-mu": 0.01}
-        dyn = {"local-objective": "feddyn", "feddyn-alpha": 0.1}
-        return {
-            "FedAvg": {"strategy": "fedavg"},
-            "FedProx": {"strategy": "fedavg", **prox},
-            "SCAFFOLD": {"strategy": "scaffold"},
-            "FedDyn": {"strategy": "fedavg", **dyn},
-            "FedSeq (greedy+KL)": fedseq,
-            "FedSeq (random grouping)": {**fedseq, "fedseq-grouping": "random"},
-            "FedSeqInter": {**fedseq, "strategy": "fedseq-inter"},
-            "FedSeq + FedProx": {**fedseq, **prox},
-            "FedSeq + FedDyn": {**fedseq, **dyn},
-        }
+def _fedseq(_: str, knobs: Knobs) -> Rows:
+    fedseq = {"strategy": "fedseq", "report-label-counts": True}
+    prox = {"local-objective": "fedprox", "proximal-mu": 0.01}
+    dyn = {"local-objective": "feddyn", "feddyn-alpha": 0.1}
+    methods = {
+        "FedAvg": {"strategy": "fedavg"},
+        "FedProx": {"strategy": "fedavg", **prox},
+        "SCAFFOLD": {"strategy": "scaffold"},
+        "FedDyn": {"strategy": "fedavg", **dyn},
+        "FedSeq (greedy+KL)": fedseq,
+        "FedSeq (random grouping)": {**fedseq, "fedseq-grouping": "random"},
+        "FedSeqInter": {**fedseq, "strategy": "fedseq-inter"},
+        "FedSeq + FedProx": {**fedseq, **prox},
+        "FedSeq + FedDyn": {**fedseq, **dyn},
+    }
 
     shared = {
         "model": knobs["model"],
@@ -416,7 +426,7 @@ def _fedseq(knobs: Knobs) -> list[Cell]:
         "fedseq-pretrain-epochs": knobs["pre-training epochs"],
     }
     alphas = _dirichlet(knobs["α"], lambda a: "α=0 (1 class/client)" if a == 0 else f"α={a:g}")
-    return _cells(knobs, alphas, shared, methods)
+    return alphas, shared, methods
 
 
 BLUEPRINTS: dict[str, Blueprint] = {
@@ -447,7 +457,7 @@ BLUEPRINTS: dict[str, Blueprint] = {
                 "train images": 20 * 600,
                 "test images": _SMALL_TEST_IMAGES,
                 "methods": ("FedAvg", "SCAFFOLD", "FedCat"),
-                "methods on CIFAR-10": ("FedAvg", "FedCat"),
+                "on CIFAR-10": {"Dirichlet α": (0.1, 1.0), "methods": ("FedAvg", "FedCat")},
             },
             "smoke": {**_SMOKE_DATA, "clients": 10, "devices per round (K)": 2, "rounds": 4},
         },
@@ -465,6 +475,8 @@ BLUEPRINTS: dict[str, Blueprint] = {
             "train images": "600 per client, the paper's MNIST (its CIFAR-10: 500)",
             "methods": "the rows the time allows: FedProx changed little in the paper, the ablations "
             "are CIFAR-10-only rows there",
+            "on CIFAR-10": "Dir(1.0) beside Dir(0.1): the paper's mildest skew, to see whether FedAvg and FedCat "
+            "learn there in the same 16 rounds",
         },
         scale_notes={
             "small": "Why FedAvg stays under the bar on CIFAR-10 here: 16 rounds of 4 devices holding one or two "
@@ -503,7 +515,7 @@ BLUEPRINTS: dict[str, Blueprint] = {
                 "classifier rounds": 60,
                 "train images": 20 * 1500,
                 "test images": _SMALL_TEST_IMAGES,
-                "methods on CIFAR-10": ("FedAvg", "FedConcat", "FedConcat-ID"),
+                "on CIFAR-10": {"partitions": ("#C=2", "Dir(0.5)"), "methods": ("FedAvg", "FedConcat", "FedConcat-ID")},
             },
             "smoke": {
                 **_SMOKE_DATA,
@@ -535,7 +547,8 @@ BLUEPRINTS: dict[str, Blueprint] = {
             "local epochs": "a round of 10 epochs is ~15 s (Fashion-MNIST) to ~25 s (CIFAR-10) of training here",
             "baseline rounds": "encoder/classifier rounds in the same ratio",
             "train images": "1,500 per client, the paper's Fashion-MNIST (its CIFAR-10: 1,250)",
-            "methods on CIFAR-10": "the paper's question (FedConcat against FedAvg) in the time left",
+            "on CIFAR-10": "the paper's question (FedConcat against FedAvg) in the time left, on #C=2 and on "
+            "Dir(0.5), a skew where FedAvg learns in 15 rounds",
         },
         scale_notes={
             "small": "Why FedAvg stays under the bar on CIFAR-10 here: 15 rounds of 2 local epochs on clients of "
