@@ -243,9 +243,14 @@ def test_the_header_lists_every_change_from_the_paper_scale():
     assert "clients: 100 → 20" in small.notes[0] and "local epochs" not in small.notes[0]
     assert "train images: all → 12,000 (600 per client" in small.notes[0] and small.subsample == Subsample(12000, 2000)
     assert "datasets: MNIST, Fashion-MNIST, CIFAR-10 → MNIST, CIFAR-10" in small.notes[0]
-    assert "on CIFAR-10: no change → [Dirichlet α: 0.1, 1.0; methods: FedAvg, FedCat] (" in small.notes[0]
+    default = "FedCat (hop-clip 1.5, hop-step 0.5: default)"
+    assert f"on CIFAR-10: no change → [Dirichlet α: 0.1, 1.0; methods: FedAvg, FedCat, {default}] (" in small.notes[0]
     cifar10 = [(c.setting.label, c.method) for c in small.cells if c.dataset == "cifar10"]
-    assert cifar10 == [(f"CIFAR-10 Dir({a})", m) for a in ("0.1", "1.0") for m in ("FedAvg", "FedCat", "Centralized")]
+    methods = ("FedAvg", "FedCat", default, "Centralized")
+    assert cifar10 == [(f"CIFAR-10 Dir({a})", m) for a in ("0.1", "1.0") for m in methods]
+    hops = small.cell(small.settings[0], default).run_config
+    assert (hops["strategy"], hops["fedcat-hop-step"], hops["fedcat-hop-clip"]) == ("fedcat", 0.5, 1.5)
+    assert small.cell(small.settings[0], "FedCat").run_config["fedcat-hop-clip"] == 0.0
     concat_paper = get_suite("fedconcat", "paper")
     assert [s.name for s in concat_paper.settings][:4] == ["fmnist-c2", "fmnist-c3", "fmnist-dir0.1", "fmnist-dir0.5"]
     assert "partitions: #C=2, #C=3, Dir(0.1), Dir(0.5) → #C=2 (" in get_suite("fedconcat", "small").notes[0]
@@ -367,7 +372,7 @@ def test_cifar10_subsample_is_pickles_and_a_jpeg_copy_is_called_lossy(tmp_path):
 
 @pytest.mark.e2e
 def test_smoke_scale_runs_through_flower_and_writes_table_csv_and_plots(tmp_path, capsys):
-    # Two real `flwr run` simulations (FedAvg and FedCat at Dir(1)); the other cells stay empty.
+    # Two real `flwr run` simulations (FedAvg and FedCat at Dir(1.0)); the other cells stay empty.
     args = ["fedcat", "--scale", "smoke", "--seeds", "0", "--out", str(tmp_path), "--cell-timeout", "900"]
     args += ["--method", "FedAvg", "--method", "FedCat", "--setting", "digits-dir1"]
 
@@ -379,15 +384,15 @@ def test_smoke_scale_runs_through_flower_and_writes_table_csv_and_plots(tmp_path
     assert "datasets: MNIST, Fashion-MNIST, CIFAR-10 → digits" in markdown
     accuracy = table_rows(markdown, "final accuracy (%)")
     assert list(accuracy) == get_suite("fedcat", "smoke").methods
-    for method in ("FedAvg", "FedCat"):  # columns: Dir(0.1), paper, gain, Dir(0.5), paper, gain, Dir(1), …
+    for method in ("FedAvg", "FedCat"):  # columns: Dir(0.1), paper, gain, Dir(0.5), paper, gain, Dir(1.0), …
         assert accuracy[method][0] == "–" and accuracy[method][3] == "–" and accuracy[method][6] != "–"
         assert accuracy[method][7] == "–"  # the papers report no digits figures
     assert accuracy["FedCat"][8].endswith(" / –") and accuracy["FedCat"][8] != "– / –"
     assert set(accuracy["SCAFFOLD"]) == {"–", "– / –"}  # not run: no figure, no gain
     with open(suite_dir / "table.csv", newline="") as handle:
         rows = {row["method"]: row for row in csv.DictReader(handle)}
-    assert 0.0 <= float(rows["FedAvg"]["digits Dir(1) | final accuracy (%) mean"]) <= 100.0
-    assert float(rows["FedCat"]["digits Dir(1) | total MB (down+up) mean"]) > 0
+    assert 0.0 <= float(rows["FedAvg"]["digits Dir(1.0) | final accuracy (%) mean"]) <= 100.0
+    assert float(rows["FedCat"]["digits Dir(1.0) | total MB (down+up) mean"]) > 0
     for name in ("accuracy-vs-round-digits-dir1.png", "accuracy-vs-mb-digits-dir1.png"):
         assert (suite_dir / "plots" / name).read_bytes()[:4] == b"\x89PNG"
     assert leftover_processes(tmp_path) == []

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import RunConfig
 from .columns import (
     FINAL_ACCURACY,
     FINAL_ACCURACY_PERCENT,
@@ -244,7 +245,8 @@ class Blueprint:
             notes=(
                 scaled,
                 "Harness choices (no paper value given to the harness): " + "; ".join(self.choices) + ".",
-                "FedCat and FedSeq rows run the papers' algorithms exactly (fedcat-hop-clip / fedseq-hop-clip 0).",
+                "FedCat and FedSeq rows run the papers' algorithms exactly (fedcat-hop-clip / fedseq-hop-clip 0), "
+                "except a row marked 'default', which runs concatfl's default bounded hops.",
                 *([self.scale_notes[scale]] if scale in self.scale_notes else []),
             ),
             targets=self.targets,
@@ -334,6 +336,11 @@ def _dirichlet(alphas: tuple[float, ...], label: Callable[[float], str]) -> list
 FEDCAT_PROX_MU = {"mnist": 0.1, "fmnist": 0.1, "cifar10": 0.01, "digits": 0.1}
 
 
+# FedCat as concatfl runs it by default: damped, bounded hops (docs/strategies.md), not the paper's rule.
+DEFAULT_FEDCAT_LABEL = f"FedCat (hop-clip {RunConfig.fedcat_hop_clip:g}, hop-step {RunConfig.fedcat_hop_step:g}: default)"
+DEFAULT_FEDCAT_HOPS = {"fedcat-hop-step": RunConfig.fedcat_hop_step, "fedcat-hop-clip": RunConfig.fedcat_hop_clip}
+
+
 def _fedcat(dataset: str, knobs: Knobs) -> Rows:
     methods = {
         "FedAvg": {"strategy": "fedavg"},
@@ -342,6 +349,7 @@ def _fedcat(dataset: str, knobs: Knobs) -> Rows:
         "FedCat": {"strategy": "fedcat"},
         "FedCat w/ GC (no concatenation)": {"strategy": "fedcat", "fedcat-concat": False},
         "FedCat w/ DC (random selection)": {"strategy": "fedcat", "fedcat-selection": "random"},
+        DEFAULT_FEDCAT_LABEL: {"strategy": "fedcat", **DEFAULT_FEDCAT_HOPS},
     }
     shared = {
         "model": knobs["model"],
@@ -456,8 +464,8 @@ BLUEPRINTS: dict[str, Blueprint] = {
                 "rounds": 16,
                 "train images": 20 * 600,
                 "test images": _SMALL_TEST_IMAGES,
-                "methods": ("FedAvg", "SCAFFOLD", "FedCat"),
-                "on CIFAR-10": {"Dirichlet α": (0.1, 1.0), "methods": ("FedAvg", "FedCat")},
+                "methods": ("FedAvg", "SCAFFOLD", "FedCat", DEFAULT_FEDCAT_LABEL),
+                "on CIFAR-10": {"Dirichlet α": (0.1, 1.0), "methods": ("FedAvg", "FedCat", DEFAULT_FEDCAT_LABEL)},
             },
             "smoke": {**_SMOKE_DATA, "clients": 10, "devices per round (K)": 2, "rounds": 4},
         },
@@ -474,7 +482,7 @@ BLUEPRINTS: dict[str, Blueprint] = {
             "rounds": "4 aggregations of the K copies; the McMahan CNN trains ~1,700 images/s here",
             "train images": "600 per client, the paper's MNIST (its CIFAR-10: 500)",
             "methods": "the rows the time allows: FedProx changed little in the paper, the ablations "
-            "are CIFAR-10-only rows there",
+            "are CIFAR-10-only rows there; concatfl's default FedCat beside the paper's",
             "on CIFAR-10": "Dir(1.0) beside Dir(0.1): the paper's mildest skew, to see whether FedAvg and FedCat "
             "learn there in the same 16 rounds",
         },
