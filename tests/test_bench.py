@@ -318,6 +318,17 @@ def test_report_only_writes_the_table_from_finished_runs(tmp_path, capsys):
     assert not (tmp_path / "data").exists() and (tmp_path / "fedcat" / "table.csv").exists()
 
 
+def test_report_only_with_a_setting_tables_just_that_setting(tmp_path, capsys):
+    suite = get_suite("fedcat", "smoke")
+    write_run(tmp_path / "fedcat", suite.cell(suite.settings[2], "FedAvg"), 0, [0.4, 0.5])
+    args = ["fedcat", "--seeds", "0", "--report-only", "--out", str(tmp_path), "--setting", "digits-dir1"]
+    assert main([*args, "--method", "FedAvg", "--method", "FedCat"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| method | final accuracy (%) | paper | gain over FedAvg (points): ours / paper | total MB (down+up) | wall s |"
+    assert rows[1].startswith("| FedAvg | 50.0 ± 0.0 | – | – |") and rows[2] == "| FedCat | – | – | – / – | – | – |"
+    assert len(rows) == 3
+
+
 def test_dry_run_lists_the_runs_and_digits_suites_take_no_scale(capsys):
     assert main(["fedseq", "--scale", "small", "--seeds", "0,1", "--dry-run"]) == 0
     assert "fedseq (scale small): 8 cells × 2 seed(s) = 16 runs" in capsys.readouterr().out

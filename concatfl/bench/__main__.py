@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dry-run", action="store_true", help="list the runs and the scale's changes, run nothing")
     parser.add_argument(
-        "--report-only", action="store_true", help="write the table from the finished runs, run nothing"
+        "--report-only", action="store_true",
+        help="write the table from the finished runs, run nothing; with --method/--setting, of just those cells"
     )
     parser.add_argument(
         "--in-process", action="store_true",
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             dry_run(suite, seeds, args.method, args.setting)
             return 0
         if args.report_only:
+            if args.method or args.setting:  # a table of just the cells asked for
+                suite = replace(suite, cells=tuple(select_cells(suite, args.method, args.setting)))
             path = write_report(suite, seeds, Path(args.out) / suite.name)
             print(path.read_text())
             return 0
