@@ -7,7 +7,7 @@ seed) and a number of simulated clients.
 * `fedcat`, `fedconcat`, `fedseq` follow the three papers' settings and come in three scales:
   `paper` (the papers' settings, meant for a GPU), `small` (a slice of the paper's experiment:
   each client holds the paper's amount of real data, but there are fewer clients, settings,
-  methods and rounds; 13–23 min per suite and seed on 2 CPU cores, in process) and `smoke`
+  methods and rounds; 18–27 min per suite and seed on 2 CPU cores, in process) and `smoke`
   (scikit-learn's digits, a few rounds; minutes). Each scale is a table of named knobs; every
   knob that differs from the paper scale is listed in the table's header, from → to. Every
   setting has a "Centralized" row: the same model and optimizer trained on the setting's whole
