@@ -206,8 +206,8 @@ def test_every_cell_of_every_suite_is_a_valid_run_config():
     sizes = {(name, scale): len(BLUEPRINTS[name].suite(scale).cells) for name in BLUEPRINTS for scale in SCALES}
     assert sizes == {
         # per setting: the methods, then the centralized row
-        ("fedcat", "smoke"): 3 * 7, ("fedcat", "small"): (3 + 1) + (2 + 1), ("fedcat", "paper"): 9 * 7,
-        ("fedconcat", "smoke"): 4 * 8, ("fedconcat", "small"): (7 + 1) + (3 + 1), ("fedconcat", "paper"): 8 * 8,
+        ("fedcat", "smoke"): 3 * 8, ("fedcat", "small"): (4 + 1) + 2 * (3 + 1), ("fedcat", "paper"): 9 * 8,
+        ("fedconcat", "smoke"): 4 * 8, ("fedconcat", "small"): (7 + 1) + 2 * (3 + 1), ("fedconcat", "paper"): 8 * 8,
         ("fedseq", "smoke"): 3 * 10, ("fedseq", "small"): 7 + 1, ("fedseq", "paper"): 6 * 10,
     }  # fmt: skip
     assert all(c.dataset == "digits" for name in BLUEPRINTS for c in BLUEPRINTS[name].suite("smoke").cells)
