@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 
 from .columns import FINAL_ACCURACY, TOTAL_MEGABYTES, WALL_SECONDS, Column, Metrics
 from .data import Subsample
-from .suites import PAPER_EXACT, Cell, Setting, Suite
+from .suites import DEFAULT_FEDCAT_LABEL, PAPER_EXACT, Cell, Setting, Suite
 
 SUITE = "sequential-stability"
 MNIST_SUITE = "sequential-stability-mnist"
@@ -91,7 +91,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "FedCat (paper-exact)": {"strategy": "fedcat", **PAPER_EXACT},
     "FedCat w/ GC (paper-exact)": {"strategy": "fedcat", "fedcat-concat": False, **PAPER_EXACT},
     "FedCat (hop-clip 1.5)": {"strategy": "fedcat", **BOUNDED},
-    "FedCat (hop-clip 1.5, hop-step 0.5: default)": {"strategy": "fedcat", **DAMPED},
+    DEFAULT_FEDCAT_LABEL: {"strategy": "fedcat", **DAMPED},
     "FedSeq (paper-exact)": {"strategy": "fedseq", **PAPER_EXACT},
     "FedSeq (hop-clip 1.5)": {"strategy": "fedseq", **BOUNDED},
     "FedSeq (hop-clip 1.5, hop-step 0.5: default)": {"strategy": "fedseq", **DAMPED},
@@ -164,7 +164,7 @@ def mnist_suite() -> Suite:
         "min-available-nodes": 20,
         "device": "cpu",
     }
-    methods = ("FedAvg", "FedCat (paper-exact)", "FedCat (hop-clip 1.5)", "FedCat (hop-clip 1.5, hop-step 0.5: default)")
+    methods = ("FedAvg", "FedCat (paper-exact)", "FedCat (hop-clip 1.5)", DEFAULT_FEDCAT_LABEL)
     cells = tuple(Cell(setting, method, 20, {**config, **METHODS[method]}) for method in methods)
     notes = (
         "the FedCat paper's data per client (600 MNIST images: a stratified 12,000-image subsample; 1,000 test "
