@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from .config import RunConfig
+from .fuzz import fuzz_mod
 from .fedconcat_client import handle_features, handle_head_training, handle_label_query
 from .objectives import CONTROL_KEY, build_objective
 from .protocol import FEATURES_ACTION, HEAD_ACTION, LABELS_ACTION
@@ -24,7 +25,8 @@ from .runtime import ClientData, load_client_data, load_data, make_model
 from .stable_grid import IDENTITY_QUERY, PARTITION_ID_KEY
 from .training import evaluate, pick_device, train
 
-app = ClientApp()
+# The fuzzing mod does nothing unless `fuzz-share` > 0 (run or node config): concatfl.fuzz.
+app = ClientApp(mods=[fuzz_mod])
 
 
 def client_config(context: Context) -> RunConfig:

@@ -13,6 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .core.bounds import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
+from .fuzz import parse_kinds
+
 STRATEGIES = ("fedavg", "fedprox", "scaffold", "fedcat", "fedseq", "fedseq-inter", "fedconcat", "fedconcat-id")
 LOCAL_OBJECTIVES = ("sgd", "fedprox", "feddyn", "moon", "fedrs", "fedlc")
 DATASETS = ("digits", "mnist", "fmnist", "cifar10", "cifar100", "svhn", "femnist")
@@ -20,6 +23,8 @@ PARTITIONS = ("iid", "dirichlet", "classes", "natural")
 MODELS = ("auto", "mlp", "mcmahan-cnn", "simple-cnn", "lenet5", "vgg9", "resnet18")
 DEVICES = ("auto", "cpu", "cuda")
 FEDSEQ_DISTRIBUTION_METRICS = ("kl", "wasserstein", "gini")
+AGGREGATIONS = ("mean", "median", "trimmed-mean", "krum", "multi-krum")
+SEQUENTIAL_STRATEGIES = ("fedcat", "fedseq", "fedseq-inter")
 
 
 class ConfigError(ValueError):
@@ -64,6 +69,15 @@ class RunConfig:
     output_dir: str = "outputs"
     resume: bool = False
     report_label_counts: bool = False
+    update_clip: float = DEFAULT_UPDATE_CLIP
+    weight_clip: float = DEFAULT_WEIGHT_CLIP
+    aggregation: str = "mean"
+    aggregation_trim: float = 0.2
+    aggregation_byzantine: int = 1
+    fuzz_share: float = 0.0
+    fuzz_kinds: str = "all"
+    fuzz_seed: int = 0
+    fuzz_log: str = ""
     fedcat_k: int = 0
     fedcat_lambda: int = 2
     fedcat_epsilon: float = 0.5
@@ -162,6 +176,7 @@ class RunConfig:
         _open_interval("fedrs-alpha", self.fedrs_alpha, 0.0, 1.0, closed_low=True, closed_high=True)
         _at_least("fedlc-tau", self.fedlc_tau, 0.0)
         self._validate_objective()
+        self._validate_guard()
         _at_least("fedcat-k", self.fedcat_k, 0)
         if self.fedcat_k == 1:
             raise ConfigError("fedcat-k must be 0 (auto: round(fraction-train x N), at least 2) or >= 2")
@@ -205,6 +220,26 @@ class RunConfig:
         _at_least("fedconcat-classifier-rounds", self.fedconcat_classifier_rounds, 1)
         _at_least("fedconcat-classifier-steps", self.fedconcat_classifier_steps, 1)
 
+
+    def _validate_guard(self) -> None:
+        """The reply bounds, the aggregation rule and the fuzzing mod's keys."""
+        for key, value in (("update-clip", self.update_clip), ("weight-clip", self.weight_clip)):
+            if not (value == 0 or value >= 1):
+                raise ConfigError(f"run-config key '{key}' must be 0 (off) or >= 1, got {value}")
+        _choice("aggregation", self.aggregation, AGGREGATIONS)
+        if self.aggregation != "mean" and self.strategy in SEQUENTIAL_STRATEGIES:
+            raise ConfigError(
+                f"run-config key 'aggregation' ({self.aggregation!r}) combines the models of one round; "
+                f"strategy={self.strategy!r} trains models in chains and needs aggregation='mean' "
+                "(its replies are bounded by update-clip)"
+            )
+        _open_interval("aggregation-trim", self.aggregation_trim, 0.0, 0.5, closed_low=True)
+        _at_least("aggregation-byzantine", self.aggregation_byzantine, 0)
+        _open_interval("fuzz-share", self.fuzz_share, 0.0, 1.0, closed_low=True, closed_high=True)
+        try:
+            parse_kinds(self.fuzz_kinds)
+        except ValueError as error:
+            raise ConfigError(f"run-config key 'fuzz-kinds': {error}") from None
 
     def _validate_objective(self) -> None:
         """Reject `local-objective` / `strategy` / `proximal-mu` combinations that make no sense."""

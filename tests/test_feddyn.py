@@ -77,7 +77,8 @@ def _additive(node: int):
 def test_fedavg_with_feddyn_sends_the_objective_and_corrects_the_plain_mean():
     nodes = BIG_IDS[:4]
     grid = FakeGrid({node: _additive(node) for node in nodes})
-    strategy = FedAvg(fraction_train=0.5, feddyn=FedDynServer(ALPHA, keys=["w"]), seed=2)
+    # Hand-made updates of lengths far apart: the reply bounds are off so the exact sums hold.
+    strategy = FedAvg(fraction_train=0.5, feddyn=FedDynServer(ALPHA, keys=["w"]), seed=2, update_clip=0, weight_clip=0)
     globals_ = {}
 
     def evaluate_fn(server_round, arrays):
@@ -110,7 +111,9 @@ def test_fedcat_with_feddyn_corrects_the_copies_average_at_cycle_end():
     nodes = BIG_IDS[:4]
     grid = FakeGrid({node: _additive(node) for node in nodes})
     # Every reply taken as it is (the paper's FedCat), so the copies are the clients' models.
-    strategy = FedCat(k=2, feddyn=FedDynServer(ALPHA), hop_step=1.0, hop_clip=0.0, check_parts=False, seed=3)
+    strategy = FedCat(
+        k=2, feddyn=FedDynServer(ALPHA), hop_step=1.0, hop_clip=0.0, check_parts=False, seed=3, update_clip=0, weight_clip=0
+    )
     globals_ = {}
 
     def evaluate_fn(server_round, arrays):
@@ -209,3 +212,12 @@ def test_build_gives_feddyn_to_the_strategies_of_a_feddyn_run():
         assert strategy.feddyn.keys == [name for name, _ in env.make_model().named_parameters()]
     plain = RunConfig.from_mapping({"strategy": "fedavg", "local-objective": "moon"})
     assert build_strategy(plain, ServerEnv.from_config(plain)).feddyn is None
+
+
+def test_the_corrected_model_keeps_zero_dimensional_buffers():
+    """BatchNorm's num_batches_tracked is a 0-d array: the server must send it back as one."""
+    server = FedDynServer(ALPHA)
+    previous = ArrayRecord({"w": Array(np.zeros(2, np.float32)), "steps": Array(np.asarray(3, np.int64))})
+    trained = ArrayRecord({"w": Array(np.ones(2, np.float32)), "steps": Array(np.asarray(5, np.int64))})
+    corrected = server.step(previous, [trained], trained, num_clients=2)
+    assert corrected["steps"].shape == () and int(corrected["steps"].numpy()) == 5

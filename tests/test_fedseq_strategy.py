@@ -99,14 +99,16 @@ def clients_for(num: int = 8, sizes: list[int] | None = None) -> dict[int, Clien
 
 
 def strategy(cls: type[FedSeq] = FedSeq, **kwargs) -> FedSeq:
-    # The paper's algorithm (every reply taken as it is), whose chains these tests follow exactly; the
-    # divergence check's extra evaluations are tested on their own.
+    # The paper's algorithm (every reply taken as it is, no reply bounds), whose chains these tests
+    # follow exactly; the divergence check's extra evaluations are tested on their own.
     settings = {
         "exemplar_pool": POOL,
         "min_samples": 40,
         "pretrain_epochs": PRETRAIN_EPOCHS,
         "hop_step": 1.0,
         "hop_clip": 0.0,
+        "update_clip": 0.0,
+        "weight_clip": 0.0,
         "check_parts": False,
         "seed": 0,
     }

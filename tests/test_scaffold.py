@@ -68,14 +68,13 @@ def test_local_steps_counts_the_short_last_batch():
 def test_server_update_by_hand():
     x = {"w": np.array([1.0, 1.0], np.float32), "n": np.array(3, np.int64)}
     c = {"w": np.array([0.0, 0.0], np.float32)}
-    deltas = [{"w": np.array([0.2, 0.0], np.float32), "n": np.array(1)},
-              {"w": np.array([0.0, 0.4], np.float32), "n": np.array(3)}]
+    delta = {"w": np.array([0.1, 0.2], np.float32), "n": np.array(2)}  # the round's combined Δy
     control_deltas = [{"w": np.array([1.0, 1.0], np.float32)}, {"w": np.array([1.0, -1.0], np.float32)}]
-    model, control = scaffold_server_update(x, c, deltas, control_deltas, server_lr=1.0, num_clients=4)
+    model, control = scaffold_server_update(x, c, delta, control_deltas, server_lr=1.0, num_clients=4)
     np.testing.assert_allclose(model["w"], [1.1, 1.2], atol=1e-6)
-    assert model["n"] == 5 and model["n"].dtype == np.int64  # 3 + mean(1, 3)
+    assert model["n"] == 5 and model["n"].dtype == np.int64  # 3 + 2
     np.testing.assert_allclose(control["w"], [0.5, 0.0], atol=1e-7)  # c + (2, 0)/N
-    model, _ = scaffold_server_update(x, c, deltas, control_deltas, server_lr=2.0, num_clients=4)
+    model, _ = scaffold_server_update(x, c, delta, control_deltas, server_lr=2.0, num_clients=4)
     np.testing.assert_allclose(model["w"], [1.2, 1.4], atol=1e-6)
     assert model["n"] == 5  # η_g scales only the arrays with control variates, not buffers
 
@@ -107,7 +106,8 @@ def _client(node: int, failure: str | None = None):
 def test_strategy_sends_c_and_updates_x_and_c_exactly():
     nodes = BIG_IDS[:4]
     grid = FakeGrid({node: _client(node) for node in nodes})
-    strategy = Scaffold(fraction_train=0.5, server_lr=1.0, control_keys=["w"], seed=1)
+    # Hand-made deltas of lengths far apart: the reply bounds are off so the exact sums hold.
+    strategy = Scaffold(fraction_train=0.5, server_lr=1.0, control_keys=["w"], seed=1, update_clip=0, weight_clip=0)
     result = strategy.start(grid, _record(INITIAL), num_rounds=1, train_config=TRAIN_CONFIG)
     sent = grid.hops[0]
     assert len(sent) == 2

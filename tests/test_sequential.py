@@ -6,19 +6,13 @@ import logging
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, MetricRecord
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from concatfl.core.sequential import (
-    REFERENCE_HOPS,
-    STALL_AGGREGATIONS,
-    damp,
-    diverged,
-    divergence,
-    hop_step_size,
-    reference_length,
-    update_norm,
-)
-from concatfl.strategies.sequential import ChainGuard, to_numpy, to_record
+from concatfl.core.bounds import REFERENCE_WINDOW
+from concatfl.core.sequential import STALL_AGGREGATIONS, diverged, divergence
+from concatfl.strategies.common import Reply, Request, to_numpy, to_record, train_content
+from concatfl.strategies.guard import ReplyGuard
+from concatfl.strategies.sequential import ChainGuard
 
 
 def model(weight: list[float], bias: float = 0.0, steps: int = 0) -> dict[str, np.ndarray]:
@@ -30,55 +24,6 @@ def model(weight: list[float], bias: float = 0.0, steps: int = 0) -> dict[str, n
 
 
 # ------------------------------------------------------------------ pure rules
-
-
-def test_a_half_step_moves_a_copy_half_way_and_counters_take_the_reply():
-    damped = damp(model([0.0, 2.0], 1.0, steps=3), model([4.0, -2.0], 3.0, steps=8), 0.5)
-    np.testing.assert_array_equal(damped["w"], np.asarray([2.0, 0.0], dtype=np.float32))
-    np.testing.assert_array_equal(damped["b"], np.asarray([2.0], dtype=np.float32))
-    assert damped["w"].dtype == np.float32
-    assert int(damped["num_batches_tracked"]) == 8
-
-
-def test_a_full_step_is_the_reply_itself():
-    returned = model([4.0, -2.0], 3.0)
-    damped = damp(model([0.0, 2.0]), returned, 1.0)
-    for key, value in returned.items():
-        np.testing.assert_array_equal(damped[key], value)
-
-
-@pytest.mark.parametrize("step", [0.0, -0.5, 1.5])
-def test_a_step_outside_0_1_is_refused(step):
-    with pytest.raises(ValueError, match="hop step"):
-        damp(model([0.0]), model([1.0]), step)
-
-
-def test_update_norm_counts_floating_point_arrays_only():
-    # ‖(3, 4, 0)‖ = 5; the integer counter is not a weight.
-    assert update_norm(model([0.0, 0.0], 0.0, steps=0), model([3.0, 4.0], 0.0, steps=100)) == 5.0
-
-
-def test_reference_is_the_median_of_first_hop_lengths():
-    assert reference_length([]) is None
-    assert reference_length([1.0, 9.0, 2.0]) == 2.0
-    assert reference_length([1.0, 2.0, 3.0, 10.0]) == 2.5
-
-
-@pytest.mark.parametrize(
-    ("length", "reference", "hop_step", "hop_clip", "expected"),
-    [
-        (1.0, 1.0, 1.0, 1.5, 1.0),  # no longer than a first hop: taken whole
-        (1.5, 1.0, 1.0, 1.5, 1.0),  # exactly at the bound
-        (3.0, 1.0, 1.0, 1.5, 0.5),  # twice the bound: half the update
-        (6.0, 2.0, 1.0, 1.0, 1 / 3),  # bound c·r = 2 of a length-6 hop
-        (3.0, 1.0, 0.25, 1.5, 0.25),  # η is the largest step
-        (3.0, 1.0, 0.8, 0.0, 0.8),  # c = 0: no bound
-        (3.0, None, 1.0, 1.5, 1.0),  # no reference yet
-        (0.0, 1.0, 1.0, 1.5, 1.0),  # the hop did not move the model
-    ],
-)
-def test_hop_step_size(length, reference, hop_step, hop_clip, expected):
-    assert hop_step_size(length, reference, hop_step, hop_clip) == pytest.approx(expected)
 
 
 def test_divergence_of_copies_that_moved_in_opposite_directions():
@@ -120,43 +65,65 @@ def record(weight: list[float]) -> ArrayRecord:
     return to_record(model(weight))
 
 
+def chain_guard(hop_step: float, hop_clip: float, update_clip: float = 0.0, name: str = "FedCat") -> ChainGuard:
+    keys = ("fedcat-hop-step", "fedcat-hop-clip") if name == "FedCat" else ("fedseq-hop-step", "fedseq-hop-clip")
+    return ChainGuard(name, ReplyGuard(name, update_clip, 0.0), hop_step, hop_clip, keys)
+
+
+def hop(sent: ArrayRecord, returned: ArrayRecord, examples: int = 10, node: int = 1) -> Reply:
+    """A reply of `node` that returned `returned` for `sent`."""
+    request = Request(node, train_content(sent, {}))
+    return Reply(request, RecordDict({"arrays": returned, "metrics": MetricRecord({"num-examples": examples})}), examples)
+
+
+def fold(guard: ChainGuard, sent: ArrayRecord, returned: ArrayRecord, first_hop: bool) -> ArrayRecord:
+    return guard.fold([hop(sent, returned)], first_hop)[0].arrays
+
+
 def test_guard_bounds_later_hops_by_the_first_hops():
-    guard = ChainGuard("FedCat", hop_step=1.0, hop_clip=1.5, keys=("fedcat-hop-step", "fedcat-hop-clip"))
+    guard = chain_guard(hop_step=1.0, hop_clip=1.5)
     start = record([0.0, 0.0])
-    # Two first hops of lengths 1 and 3: reference (median) 2, bound 1.5·2 = 3.
-    first = guard.step(start, record([1.0, 0.0]), first_hop=True)
-    guard.step(start, record([0.0, 3.0]), first_hop=True)
-    np.testing.assert_array_equal(to_numpy(first)["w"], [1.0, 0.0])  # first hops are never bounded
-    # A later hop of length 12 is scaled to length 3 (a quarter of its update).
-    later = guard.step(first, record([1.0, 12.0]), first_hop=False)
-    np.testing.assert_allclose(to_numpy(later)["w"], [1.0, 3.0])
+    # Two first hops of lengths 1 and 3: reference (lower median) 1, bound 1.5·1 = 1.5.
+    first, _ = guard.fold([hop(start, record([1.0, 0.0])), hop(start, record([0.0, 3.0]), node=2)], first_hop=True)
+    np.testing.assert_array_equal(to_numpy(first.arrays)["w"], [1.0, 0.0])  # the hop clip spares first hops
+    # A later hop of length 12 is scaled to length 1.5 (an eighth of its update).
+    np.testing.assert_allclose(to_numpy(fold(guard, first.arrays, record([1.0, 12.0]), False))["w"], [1.0, 1.5])
     # A later hop within the bound is the reply itself (the same object).
-    reply = record([1.0, 2.0])
-    assert guard.step(first, reply, first_hop=False) is reply
+    reply = record([1.0, 1.0])
+    assert fold(guard, first.arrays, reply, False) is reply
+
+
+def test_the_update_clip_bounds_first_hops_too():
+    guard = chain_guard(hop_step=1.0, hop_clip=0.0, update_clip=2.0)
+    start = record([0.0])
+    replies = [hop(start, record([x]), node=i) for i, x in enumerate([1.0, 1.0, 1e6])]
+    folded = guard.fold(replies, first_hop=True)
+    # Reference: the lower median of (1, 1, 10⁶) = 1; the 10⁶ hop moves the copy 2 at most.
+    assert [float(to_numpy(r.arrays)["w"][0]) for r in folded] == pytest.approx([1.0, 1.0, 2.0])
+    assert [r.share for r in folded] == pytest.approx([1.0, 1.0, 2e-6])
 
 
 def test_guard_without_bound_takes_every_reply_as_it_is():
-    guard = ChainGuard("FedSeq", hop_step=1.0, hop_clip=0.0, keys=("fedseq-hop-step", "fedseq-hop-clip"))
+    guard = chain_guard(hop_step=1.0, hop_clip=0.0, name="FedSeq")
     start = record([0.0])
-    guard.step(start, record([1.0]), first_hop=True)
+    fold(guard, start, record([1.0]), True)
     reply = record([100.0])
-    assert guard.step(start, reply, first_hop=False) is reply
+    assert fold(guard, start, reply, False) is reply
 
 
 def test_guard_keeps_the_last_first_hops_as_reference():
-    guard = ChainGuard("FedCat", 1.0, 1.0, ("a", "b"))
+    guard = chain_guard(1.0, 1.0)
     start = record([0.0])
-    for length in [100.0] * 3 + [1.0] * REFERENCE_HOPS:  # the early long hops fall out of the window
-        guard.step(start, record([length]), first_hop=True)
-    later = guard.step(start, record([10.0]), first_hop=False)
-    np.testing.assert_allclose(to_numpy(later)["w"], [1.0])
+    for length in [100.0] * 3 + [1.0] * REFERENCE_WINDOW:  # the early long hops fall out of the window
+        fold(guard, start, record([length]), True)
+    np.testing.assert_allclose(to_numpy(fold(guard, start, record([10.0]), False))["w"], [1.0])
 
 
 def test_guard_check_records_divergence_and_warns_once(caplog):
-    guard = ChainGuard("FedCat", 1.0, 0.0, ("fedcat-hop-step", "fedcat-hop-clip"))
+    guard = chain_guard(1.0, 0.0)
     start = record([0.0, 0.0])
-    guard.step(start, record([1.0, 0.0]), first_hop=True)
-    guard.step(record([1.0, 0.0]), record([1.0, 4.0]), first_hop=False)  # 4× a first hop
+    fold(guard, start, record([1.0, 0.0]), True)
+    fold(guard, record([1.0, 0.0]), record([1.0, 4.0]), False)  # 4× a first hop
     scores = {1.0: 0.5, -1.0: 0.5, 0.0: 0.1}  # w[0] → accuracy: both copies 0.5, their average 0.1
     evaluated = []
 
@@ -188,7 +155,7 @@ def test_guard_check_records_divergence_and_warns_once(caplog):
 
 
 def test_guard_warns_when_the_average_stalls_near_the_start_model(caplog):
-    guard = ChainGuard("FedSeq", 1.0, 1.5, ("fedseq-hop-step", "fedseq-hop-clip"))
+    guard = chain_guard(1.0, 1.5, name="FedSeq")
     start, chain = record([0.0]), record([1.0])
 
     def evaluate(arrays: ArrayRecord) -> MetricRecord:  # the start model 0.1, the chain's 0.12
@@ -202,17 +169,19 @@ def test_guard_warns_when_the_average_stalls_near_the_start_model(caplog):
 
 
 def test_guard_state_round_trip_bounds_the_next_hop_identically():
-    guard = ChainGuard("FedSeq", 0.9, 1.5, ("a", "b"))
+    guard = chain_guard(0.9, 1.5, name="FedSeq")
     start = record([0.0])
-    guard.step(start, record([2.0]), first_hop=True)
-    restored = ChainGuard("FedSeq", 0.9, 1.5, ("a", "b"))
+    fold(guard, start, record([2.0]), True)
+    restored = chain_guard(0.9, 1.5, name="FedSeq")
     restored.load_state_dict(guard.state_dict())
+    restored.replies.load_state_dict(guard.replies.state_dict())
     for each in (guard, restored):
-        np.testing.assert_allclose(to_numpy(each.step(start, record([30.0]), first_hop=False))["w"], [3.0])
+        np.testing.assert_allclose(to_numpy(fold(each, start, record([30.0]), False))["w"], [3.0])
     assert guard.state_dict() == restored.state_dict()
+    assert guard.replies.state_dict() == restored.replies.state_dict()
 
 
 @pytest.mark.parametrize(("hop_step", "hop_clip"), [(0.0, 1.0), (1.2, 1.0), (1.0, -1.0)])
 def test_guard_refuses_bad_parameters(hop_step, hop_clip):
     with pytest.raises(ValueError, match="hop_"):
-        ChainGuard("FedCat", hop_step, hop_clip, ("a", "b"))
+        ChainGuard("FedCat", ReplyGuard("FedCat"), hop_step, hop_clip, ("a", "b"))

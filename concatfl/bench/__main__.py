@@ -12,9 +12,10 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from ..data.datasets import DATASETS
-from ..launch import exit_on_sigterm
+from ..launch import exit_on_sigterm, parse_overrides
 from . import overhead, stability
 from .inprocess import simulate_in_process
 from .report import write_report
@@ -34,7 +35,9 @@ def parse_data_dirs(values: list[str]) -> dict[str, Path]:
     return folders
 
 
-def dry_run(suite: Suite, seeds: list[int], methods: list[str], settings: list[str]) -> None:
+def dry_run(
+    suite: Suite, seeds: list[int], methods: list[str], settings: list[str], overrides: dict[str, Any]
+) -> None:
     """Print the suite's notes and every run it would make, without running or touching data."""
     cells = select_cells(suite, methods, settings)
     runs = len(cells) * len(seeds)
@@ -42,7 +45,7 @@ def dry_run(suite: Suite, seeds: list[int], methods: list[str], settings: list[s
     for note in suite.notes:
         print(f"- {note}")
     for cell in cells:
-        config = cell_config(cell, seeds[0], {})
+        config = cell_config(cell, seeds[0], {}, overrides)
         if cell.dataset != "digits":
             config["data-dir"] = "<from --data-dir>"
         settings_text = " ".join(f"{k}={v!r}" for k, v in config.items() if k != "seed")
@@ -89,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--torch-threads", type=int, default=1, help="with --in-process: torch threads for the training (default 1)"
     )
+    parser.add_argument(
+        "--set", default="", metavar="\"KEY=VALUE ...\"",
+        help="run-config values for every cell, over the suite's (e.g. \"update-clip=0\"; use another --out)",
+    )
     parser.add_argument("--cell-timeout", type=float, default=6 * 3600, help="seconds one run may take (default 6 h)")
     parser.add_argument("--cpus-per-client", type=int, default=1)
     parser.add_argument("--gpus-per-client", type=float, default=0.0, help="GPU share of each simulated client")
@@ -100,10 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     seeds = [int(seed) for seed in args.seeds.split(",")]
+    try:
+        overrides = parse_overrides(args.set)
+    except ValueError as error:
+        parser.error(str(error))
     started = time.perf_counter()
     try:
         if args.dry_run:
-            dry_run(suite, seeds, args.method, args.setting)
+            dry_run(suite, seeds, args.method, args.setting, overrides)
             return 0
         if args.report_only:
             if args.method or args.setting:  # a table of just the cells asked for
@@ -119,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             data_dirs=parse_data_dirs(args.data_dir),
             methods=args.method,
             settings=args.setting,
+            overrides=overrides,
             simulate=partial(simulate_in_process, torch_threads=args.torch_threads)
             if in_process
             else simulate_with_flower(args.cell_timeout, args.cpus_per_client, args.gpus_per_client),

@@ -85,9 +85,12 @@ def prepare_data(suite: Suite, cells: Sequence[Cell], data_dirs: Mapping[str, Pa
     return prepared
 
 
-def cell_config(cell: Cell, seed: int, data: Mapping[str, Path]) -> dict[str, Any]:
-    """The run config of one seed of a cell (`data-dir` set for real datasets)."""
-    config = {**cell.run_config, "seed": seed}
+def cell_config(
+    cell: Cell, seed: int, data: Mapping[str, Path], overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The run config of one seed of a cell (`data-dir` set for real datasets), with `overrides`
+    (the command line's --set) on top."""
+    config = {**cell.run_config, **(overrides or {}), "seed": seed}
     if cell.dataset in data:
         config["data-dir"] = str(data[cell.dataset])
     return config
@@ -120,9 +123,12 @@ def run_suite(
     methods: Sequence[str] = (),
     settings: Sequence[str] = (),
     simulate: Simulate | None = None,
+    overrides: Mapping[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> Path:
     """Run every missing (selected cell, seed), then write the report; returns table.md's path.
+
+    `overrides` (run-config keys) apply to every cell, over the suite's own settings.
 
     A failed run is reported and the suite goes on; after the report is written, BenchError
     names the failed runs (a re-run retries them).
@@ -132,7 +138,9 @@ def run_suite(
     cells = select_cells(suite, methods, settings)
     data = prepare_data(suite, cells, data_dirs or {}, out)
     jobs = [
-        (cell, seed, cell.workdir(suite_dir, seed), cell_config(cell, seed, data)) for cell in cells for seed in seeds
+        (cell, seed, cell.workdir(suite_dir, seed), cell_config(cell, seed, data, overrides))
+        for cell in cells
+        for seed in seeds
     ]
     # Checked before anything runs, so results of another configuration stop the suite at once.
     finished = [is_finished(workdir, config) for _, _, workdir, config in jobs]

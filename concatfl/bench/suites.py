@@ -113,7 +113,15 @@ class Suite:
 
 
 # The papers' algorithms exactly: FedCat and FedSeq take every reply as it is (no damped or bounded hops).
-PAPER_EXACT = {"fedcat-hop-step": 1.0, "fedcat-hop-clip": 0.0, "fedseq-hop-step": 1.0, "fedseq-hop-clip": 0.0}
+# The papers' sequential algorithms: every reply taken as it is (no damped step, no bound).
+PAPER_EXACT = {
+    "fedcat-hop-step": 1.0,
+    "fedcat-hop-clip": 0.0,
+    "fedseq-hop-step": 1.0,
+    "fedseq-hop-clip": 0.0,
+    "update-clip": 0.0,
+    "weight-clip": 0.0,
+}
 SEQUENTIAL = ("fedcat", "fedseq", "fedseq-inter")
 
 

@@ -1,19 +1,17 @@
-"""Rules shared by the sequential strategies (FedCat's copies, FedSeq's superclient chains).
+"""Rules of the sequential strategies (FedCat's copies, FedSeq's superclient chains).
 
 A model that travels a chain of clients is trained by each of them in turn. With large local
 steps (a high learning rate, momentum, many epochs) on label-skewed clients, a hop that starts
 from a model fitted to the previous client's classes meets a large loss and takes a much larger
 step than a hop from the averaged model: it overwrites what the chain learned (on a CNN it can
 kill most ReLU channels), the chains end far apart, and their average can sit at chance. The
-rules here bound that without asking anything of the client:
+server bounds that without asking anything of the client, with the bound every strategy applies
+to every reply (`concatfl.core.bounds`): the travelling model moves by s·(returned − sent) with
+s = min(η, c·r/‖returned − sent‖), η a damped server step (1 = take the reply as is) and c·r a
+bound on *later* hops, c times r, the lower median of the recent *first* hops (hops that start
+from the averaged model, like FedAvg's client updates). c = 0 with η = 1 is the papers'
+algorithm exactly. What is here:
 
-* `hop_step_size`: the server moves the travelling model by s·(returned − sent) with
-  s = min(η, c·r/‖returned − sent‖): η is a fixed server step (1 = take the reply as is), and
-  the bound c·r lets no hop move the model more than c times r, the median length of the
-  recent *first* hops (hops that start from the averaged model, like FedAvg's client updates).
-  Hops that are no larger than first hops are taken unchanged (c = 0 turns the bound off:
-  with η = 1 that is the papers' algorithm exactly).
-* `damp`: sent + s·(returned − sent).
 * `divergence`: how far the chains' models ended from each other, relative to how far they
   moved, measured when they are averaged (recorded in metrics.json with the hop-length ratio).
 * `diverged`: the accuracy-based signs that the chains have broken the model (the warning).
@@ -23,15 +21,13 @@ Models are `{name: numpy array}` mappings; everything here is pure numpy.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-Weights = Mapping[str, np.ndarray]
+from .bounds import Weights, flatten
 
-# How many recent first-hop lengths make the reference r (a few cycles' worth of first hops).
-REFERENCE_HOPS = 10
 # A run whose averaged model, from its STALL_AGGREGATIONS-th aggregation on, scores below
 # STALL_FACTOR times the model it started from (a random model: about chance) has stopped
 # learning through its chains. In the sequential-stability map (digits, 3 seeds, 144 FedCat and
@@ -41,58 +37,6 @@ STALL_AGGREGATIONS = 3
 STALL_FACTOR = 1.5
 # Averaging the models of healthy chains does not lose accuracy against the models themselves.
 AVERAGE_ACCURACY_DROP_LIMIT = 0.15
-
-
-def update_norm(sent: Weights, returned: Weights) -> float:
-    """‖returned − sent‖ over the floating-point arrays."""
-    return float(np.linalg.norm(flatten(returned) - flatten(sent)))
-
-
-def reference_length(first_hop_lengths: Sequence[float]) -> float | None:
-    """r: the median of the recent first-hop lengths (None before any first hop)."""
-    return float(np.median(first_hop_lengths)) if len(first_hop_lengths) else None
-
-
-def hop_step_size(length: float, reference: float | None, hop_step: float, hop_clip: float) -> float:
-    """s = min(η, c·r/length): the share of a hop's update (of this `length`) the server takes.
-
-    No bound applies when `hop_clip` c is 0, when there is no reference r yet, or for a hop
-    that did not move the model.
-    """
-    if hop_clip <= 0 or reference is None or length <= 0:
-        return hop_step
-    return min(hop_step, hop_clip * reference / length)
-
-
-def damp(sent: Weights, returned: Weights, step: float) -> dict[str, np.ndarray]:
-    """sent + step·(returned − sent), key by key, each array keeping its dtype.
-
-    Integer arrays (BatchNorm's `num_batches_tracked`) are counters, not weights: they take the
-    returned value. `step` = 1 returns `returned` exactly.
-    """
-    if not 0.0 < step <= 1.0:
-        raise ValueError(f"the hop step must be in (0, 1], got {step}")
-    if set(sent) != set(returned):
-        raise ValueError(f"models differ in keys: {sorted(set(sent) ^ set(returned))}")
-    damped = {}
-    for key, before in sent.items():
-        after = returned[key]
-        if step == 1.0 or not np.issubdtype(before.dtype, np.floating):
-            damped[key] = np.array(after, copy=True)
-        else:
-            moved = before.astype(np.float64) + step * (after.astype(np.float64) - before.astype(np.float64))
-            damped[key] = moved.astype(before.dtype)
-    return damped
-
-
-def flatten(model: Weights) -> np.ndarray:
-    """The model's floating-point arrays as one float64 vector (keys in sorted order)."""
-    floats = [
-        np.asarray(model[key], dtype=np.float64).ravel()
-        for key in sorted(model)
-        if np.issubdtype(np.asarray(model[key]).dtype, np.floating)
-    ]
-    return np.concatenate(floats) if floats else np.zeros(0)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import textwrap
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Iterable
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ from .common import (
     CONFIG_KEY,
     NUM_EXAMPLES_KEY,
     HopResult,
+    Miss,
+    Reply,
     Request,
     collect,
     live_node_ids,
@@ -46,6 +48,7 @@ from .common import (
     sample_nodes,
     to_messages,
 )
+from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP, ReplyGuard
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 _ABSENT = object()
@@ -66,6 +69,13 @@ class RelayStrategy(Strategy):
     seed : int (default: 0)
         Seed of the strategy's one random generator (`self.rng`): every random choice on the
         server draws from it, so a run is reproducible.
+    update_clip : float (default: 4.0)
+        c ≥ 1: no reply's update moves a model more than c times the reference length of
+        updates of its kind (the lower median of the recent ones); 0 turns the bound off
+        (`guard.ReplyGuard`).
+    weight_clip : float (default: 4.0)
+        c_w ≥ 1: no reply's num-examples counts more than c_w times the lower median of the
+        recent ones; 0 turns the bound off.
 
     Attributes
     ----------
@@ -76,13 +86,21 @@ class RelayStrategy(Strategy):
     """
 
     def __init__(
-        self, fraction_evaluate: float = 0.0, round_timeout: float | None = None, seed: int = 0
+        self,
+        fraction_evaluate: float = 0.0,
+        round_timeout: float | None = None,
+        seed: int = 0,
+        update_clip: float = DEFAULT_UPDATE_CLIP,
+        weight_clip: float = DEFAULT_WEIGHT_CLIP,
     ) -> None:
         if not 0.0 <= fraction_evaluate <= 1.0:
             raise ValueError(f"fraction_evaluate must be in [0, 1], got {fraction_evaluate}")
         self.fraction_evaluate = fraction_evaluate
         self.round_timeout = round_timeout
         self.seed = seed
+        self.update_clip = update_clip
+        self.weight_clip = weight_clip
+        self.guard = ReplyGuard(type(self).__name__, update_clip, weight_clip)
         self.rng = np.random.default_rng(seed)
         self.history: list[dict[str, Any]] = []
         self.setup_record: dict[str, Any] = {}
@@ -126,6 +144,7 @@ class RelayStrategy(Strategy):
             "rng": self.rng.bit_generator.state,
             "history": copy.deepcopy(self.history),
             "setup_record": copy.deepcopy(self.setup_record),
+            "guard": self.guard.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -133,6 +152,7 @@ class RelayStrategy(Strategy):
         self.rng.bit_generator.state = state["rng"]
         self.history = copy.deepcopy(state["history"])
         self.setup_record = copy.deepcopy(state["setup_record"])
+        self.guard.load_state_dict(state["guard"])
 
     def global_module(self, arrays: ArrayRecord, make_model: Callable[[], nn.Module]) -> nn.Module:
         """The torch module that `arrays` (the global model this strategy returns) stands for.
@@ -164,8 +184,20 @@ class RelayStrategy(Strategy):
 
     # ------------------------------------------------------------------ helpers for subclasses
     def hop(self, grid: Grid, requests: list[Request]) -> HopResult:
-        """Run one relay hop with this strategy's timeout."""
-        return relay(grid, requests, self.round_timeout)
+        """Run one relay hop with this strategy's timeout; its rejected replies count against
+        their nodes (`guard.ReplyGuard`)."""
+        hop = relay(grid, requests, self.round_timeout)
+        self.guard.note_rejected(hop.misses)
+        return hop
+
+    def reject(self, hop: HopResult, reply: Reply, problem: str) -> None:
+        """Move a reply that failed a strategy's own check (SCAFFOLD's control variate,
+        FedConcat's label distribution) from `hop.replies` to its misses, logged and counted."""
+        hop.replies.remove(reply)
+        miss = Miss(reply.request, f"rejected: {problem}")
+        hop.misses.append(miss)
+        self.guard.note_rejected([miss])
+        log(WARNING, "Node %s (%s) left out: %s", reply.node_id, reply.request.tag, problem)
 
     def evaluate_on_server(self, server_round: int) -> Callable[[ArrayRecord], MetricRecord | None] | None:
         """The run's `evaluate_fn` for models of round `server_round` (None when the run has none)."""
@@ -194,7 +226,9 @@ class RelayStrategy(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate the replies to the last `configure_train` and aggregate them."""
-        return self.aggregate_hop(server_round, collect(self._pending, replies, self._pending_messages))
+        hop = collect(self._pending, replies, self._pending_messages)
+        self.guard.note_rejected(hop.misses)
+        return self.aggregate_hop(server_round, hop)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -284,10 +318,14 @@ class RelayStrategy(Strategy):
 
         started = time.perf_counter()
         if not self.history:
+            self.guard.begin_round(0)
             self.setup(grid, initial_arrays, train_config)
+            if guarded := self.guard.round_record():
+                self.setup_record["guard"] = guarded
         for server_round in range(len(self.history) + 1, num_rounds + 1):
             round_started = time.perf_counter()
             self._round_extras = {}
+            self.guard.begin_round(server_round)
             hops: list[HopResult] = []
             changed = False
             for position in itertools.count():
@@ -309,6 +347,8 @@ class RelayStrategy(Strategy):
                 "aggregated": changed,
                 **self._round_extras,
             }
+            if guarded := self.guard.round_record():
+                record["guard"] = guarded
             federated, evaluation_bytes = self._federated_evaluation(server_round, arrays, evaluate_config, grid)
             if federated is not None:
                 result.evaluate_metrics_clientapp[server_round] = federated
@@ -385,7 +425,11 @@ def _short(record: dict[str, Any]) -> str:
     """One round's progress line: accuracy and loss (when evaluated), traffic and time."""
     parts = [f"{key} {record[key]:.4f}" for key in ("accuracy", "loss") if key in record]
     parts.append(f"sent {record['bytes_sent'] / 1e6:.2f} MB, received {record['bytes_received'] / 1e6:.2f} MB")
-    misses = sum(len(hop["misses"]) for hop in record["hops"])
+    misses = [miss for hop in record["hops"] for miss in hop["misses"]]
     if misses:
-        parts.append(f"{misses} missed replies")
+        rejected = sum(miss["reason"].startswith("rejected") for miss in misses)
+        parts.append(f"{len(misses)} missed replies" + (f" ({rejected} rejected)" if rejected else ""))
+    for kind in ("clipped", "down-weighted"):
+        if events := record.get("guard", {}).get(kind):
+            parts.append(f"{len(events)} {kind}")
     return ", ".join(parts) + f", {record['seconds']:.2f} s"

@@ -55,11 +55,19 @@ class Request:
 
 @dataclass
 class Reply:
-    """A validated reply: its content and its weight (num-examples)."""
+    """A validated reply: its content and its weight (num-examples).
+
+    Once `guard.ReplyGuard.bound` has bounded it: `length` is the norm of its update as the
+    client sent it, `reference` the reference length it was measured against and `share` the
+    share of that update its content now holds.
+    """
 
     request: Request
     content: RecordDict
     num_examples: int
+    length: float | None = None
+    reference: float | None = None
+    share: float = 1.0
 
     @property
     def node_id(self) -> int:
@@ -86,7 +94,7 @@ class Miss:
 
     def as_record(self) -> dict[str, Any]:
         """JSON-ready description for metrics.json."""
-        return {"node": self.request.node_id, "tag": _jsonable(self.request.tag), "reason": self.reason}
+        return {"node": self.request.node_id, "tag": jsonable(self.request.tag), "reason": self.reason}
 
     @property
     def short_reason(self) -> str:
@@ -293,9 +301,10 @@ def sample_nodes(rng: np.random.Generator, nodes: Sequence[int], count: int) -> 
     return [nodes[int(position)] for position in positions]
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """A request tag (or any value) as JSON can hold it: lists stay lists, other objects become strings."""
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     return str(value)

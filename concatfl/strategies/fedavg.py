@@ -17,8 +17,9 @@ from .common import (
     live_node_ids,
     sample_nodes,
     train_content,
-    weighted_average,
 )
+from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
+from .aggregation import Aggregation, as_aggregation, from_config as aggregation_from_config
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -37,7 +38,9 @@ class FedAvg(RelayStrategy):
 
     Behaves like Flower's own FedAvg, plus what every concatfl strategy does: invalid replies
     (wrong shapes or dtypes, NaN/Inf, num-examples ≤ 0) are rejected with a logged reason,
-    bytes and seconds are measured per round, and the run is reproducible from `seed`.
+    every reply's update and weight is bounded (`update_clip`, `weight_clip`: an outsized reply
+    is scaled down and recorded, never averaged as it is), bytes and seconds are measured per
+    round, and the run is reproducible from `seed`.
 
     Parameters
     ----------
@@ -51,8 +54,12 @@ class FedAvg(RelayStrategy):
     feddyn : FedDynServer | None (default: None)
         FedDyn (Acar et al. 2021): the clients are told to run FedDyn's objective and the
         server forms θ = mean(θ_k) − h/α with the *unweighted* mean, as in the paper, and m =
-        the number of connected nodes (`concatfl.strategies.feddyn`).
-    fraction_evaluate, round_timeout, seed
+        the number of connected nodes (`concatfl.strategies.feddyn`). With a robust
+        `aggregation`, the robust rule (unweighted) stands in for that mean.
+    aggregation : str | Aggregation (default: "mean")
+        How the round's (bounded) models are combined: "mean" (weighted by num-examples),
+        "median", "trimmed-mean", "krum" or "multi-krum" (`concatfl.strategies.aggregation`).
+    fraction_evaluate, round_timeout, seed, update_clip, weight_clip
         See `RelayStrategy`.
     """
 
@@ -62,11 +69,14 @@ class FedAvg(RelayStrategy):
         min_train_nodes: int = 1,
         proximal_mu: float = 0.0,
         feddyn: feddyn_server.FedDynServer | None = None,
+        aggregation: str | Aggregation = "mean",
         fraction_evaluate: float = 0.0,
         round_timeout: float | None = None,
         seed: int = 0,
+        update_clip: float = DEFAULT_UPDATE_CLIP,
+        weight_clip: float = DEFAULT_WEIGHT_CLIP,
     ) -> None:
-        super().__init__(fraction_evaluate=fraction_evaluate, round_timeout=round_timeout, seed=seed)
+        super().__init__(fraction_evaluate, round_timeout, seed, update_clip, weight_clip)
         if feddyn is not None and proximal_mu > 0:
             raise ValueError("FedDyn has its own proximal term; use proximal_mu=0 with feddyn")
         if not 0.0 < fraction_train <= 1.0:
@@ -77,6 +87,7 @@ class FedAvg(RelayStrategy):
         self.min_train_nodes = min_train_nodes
         self.proximal_mu = proximal_mu
         self.feddyn = feddyn
+        self.aggregation = as_aggregation(aggregation)
         # The global model the current round started from, and the number of connected nodes (FedDyn's m).
         self._sent: ArrayRecord | None = None
         self._num_nodes = 0
@@ -100,16 +111,17 @@ class FedAvg(RelayStrategy):
     def aggregate_hop(
         self, server_round: int, hop: HopResult
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Weighted average of the valid replies (FedDyn: its corrected plain mean); the model is
-        kept when none came back."""
-        if not hop.replies:
+        """The `aggregation` of the valid replies, bounded (FedDyn: its corrected plain mean); the
+        model is kept when none came back."""
+        replies = self.guard.bound(hop.replies)
+        if not replies:
             return None, None
-        models = [reply.arrays for reply in hop.replies]
-        metrics = aggregate_metricrecords([reply.content for reply in hop.replies], NUM_EXAMPLES_KEY)
+        models = [reply.arrays for reply in replies]
+        metrics = aggregate_metricrecords([reply.content for reply in replies], NUM_EXAMPLES_KEY)
         if self.feddyn is None:
-            return weighted_average(models, [reply.num_examples for reply in hop.replies]), metrics
+            return self.aggregation.combine(models, [reply.num_examples for reply in replies]), metrics
         assert self._sent is not None
-        averaged = self.feddyn.step(self._sent, models, weighted_average(models, [1.0] * len(models)), self._num_nodes)
+        averaged = self.feddyn.step(self._sent, models, self.aggregation.combine(models, [1.0] * len(models)), self._num_nodes)
         self.record("feddyn_h_norm", self.feddyn.h_norm)
         return averaged, metrics
 
@@ -143,9 +155,12 @@ def build(config: RunConfig, env: ServerEnv) -> FedAvg:
     """FedAvg (or FedProx) from the run config; with `local-objective='feddyn'`, FedAvg + FedDyn."""
     common: dict[str, Any] = {
         "fraction_train": config.fraction_train,
+        "aggregation": aggregation_from_config(config),
         "fraction_evaluate": config.fraction_evaluate,
         "round_timeout": config.timeout,
         "seed": config.seed,
+        "update_clip": config.update_clip,
+        "weight_clip": config.weight_clip,
     }
     if config.strategy == "fedprox":
         return FedProx(proximal_mu=config.proximal_mu, **common)

@@ -39,6 +39,7 @@ from .common import (
     weighted_average,
 )
 from .feddyn import FedDynServer, from_config as feddyn_from_config
+from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
 from .sequential import DEFAULT_HOP_CLIP, DEFAULT_HOP_STEP, ChainGuard
 
 if TYPE_CHECKING:
@@ -72,7 +73,8 @@ class FedCat(RelayStrategy):
 
     Faults: a missing, error or invalid reply (wrong keys/shapes/dtypes, NaN/Inf,
     num-examples ≤ 0, rejected with a logged reason by `common.collect`) leaves that copy and
-    its d_i unchanged. Nodes missing from `grid.get_node_ids()` leave their groups; the groups
+    its d_i unchanged. An outsized reply is bounded (`update_clip`, `weight_clip`; recorded
+    under ``guard``): it moves its copy and adds to d_i only as much as the bounds allow. Nodes missing from `grid.get_node_ids()` leave their groups; the groups
     are redrawn at the next grouping point, or at once when a group became empty. When fewer
     than K nodes remain, K shrinks to the nodes available (logged): the open cycle's copies are
     averaged into the global model first, so no training is lost, and a new cycle with new
@@ -114,8 +116,9 @@ class FedCat(RelayStrategy):
         reported for a last round inside a cycle is not corrected (h is left for a resumed run).
     hop_step, hop_clip, check_parts (default: 0.5, 1.5, True)
         The server's damped (η) and bounded (c) hops and its divergence check: see `ChainGuard`
-        and docs/strategies.md. `hop_step=1, hop_clip=0` is the paper's algorithm exactly.
-    fraction_evaluate, round_timeout, seed
+        and docs/strategies.md. `hop_step=1, hop_clip=0` (with `update_clip=0`) is the paper's
+        algorithm exactly.
+    fraction_evaluate, round_timeout, seed, update_clip, weight_clip
         See `RelayStrategy`.
     """
 
@@ -135,8 +138,10 @@ class FedCat(RelayStrategy):
         fraction_evaluate: float = 0.0,
         round_timeout: float | None = None,
         seed: int = 0,
+        update_clip: float = DEFAULT_UPDATE_CLIP,
+        weight_clip: float = DEFAULT_WEIGHT_CLIP,
     ) -> None:
-        super().__init__(fraction_evaluate=fraction_evaluate, round_timeout=round_timeout, seed=seed)
+        super().__init__(fraction_evaluate, round_timeout, seed, update_clip, weight_clip)
         if k < 0 or k == 1:
             raise ValueError(f"k must be 0 (auto) or >= 2, got {k}")
         if not 0.0 < fraction_train <= 1.0:
@@ -154,7 +159,8 @@ class FedCat(RelayStrategy):
         self.selection = selection
         self.concat = concat
         self.feddyn = feddyn
-        self.guard = ChainGuard("FedCat", hop_step, hop_clip, ("fedcat-hop-step", "fedcat-hop-clip"), check_parts)
+        keys = ("fedcat-hop-step", "fedcat-hop-clip")
+        self.chain = ChainGuard("FedCat", self.guard, hop_step, hop_clip, keys, check_parts)
         # The algorithm's state (all saved by `state_dict`); K is fixed at the first round.
         self._k: int | None = None
         self._round_index = 0  # r, counted from when the current K took effect
@@ -206,11 +212,11 @@ class FedCat(RelayStrategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Valid replies replace their copy and add to its d_i; the copies are averaged after the
         cycle's last round (every round without concatenation, and at the run's last round)."""
-        for reply in hop.replies:
-            # The copy still holds what was sent: it moves (a damped step at η < 1) toward the reply.
-            self._copies[reply.request.tag] = self.guard.step(
-                self._copies[reply.request.tag], reply.arrays, first_hop=self._data_sizes[reply.request.tag] == 0
-            )
+        # A copy that has not trained in this cycle still holds the averaged model: its hop is a first hop.
+        firsts = [reply for reply in hop.replies if self._data_sizes[reply.request.tag] == 0]
+        laters = [reply for reply in hop.replies if self._data_sizes[reply.request.tag] > 0]
+        for reply in self.chain.fold(firsts, first_hop=True) + self.chain.fold(laters, first_hop=False):
+            self._copies[reply.request.tag] = reply.arrays
             self._data_sizes[reply.request.tag] += reply.num_examples
         self.record("data_sizes", [int(d) for d in self._data_sizes])
         k = self._require_k()
@@ -259,7 +265,7 @@ class FedCat(RelayStrategy):
             "copies": [to_numpy(copy) for copy in self._copies],
             "data_sizes": self._data_sizes.copy(),
             "cycle_start": None if self._cycle_start is None else to_numpy(self._cycle_start),
-            "guard": self.guard.state_dict(),
+            "chain": self.chain.state_dict(),
         }
         if self.feddyn is not None:
             state["feddyn"] = self.feddyn.state_dict()
@@ -278,7 +284,7 @@ class FedCat(RelayStrategy):
         self._data_sizes = np.array(saved["data_sizes"], dtype=np.int64)
         start = saved.get("cycle_start")
         self._cycle_start = None if start is None else to_record(start)
-        self.guard.load_state_dict(saved["guard"])
+        self.chain.load_state_dict(saved["chain"])
         if self.feddyn is not None:
             self.feddyn.load_state_dict(state["feddyn"])
 
@@ -343,7 +349,7 @@ class FedCat(RelayStrategy):
             self.record("feddyn_h_norm", self.feddyn.h_norm)
         self.record(
             "divergence",
-            self.guard.check(
+            self.chain.check(
                 self._cycle_start,
                 [copy for copy, _ in trained],
                 [size for _, size in trained],
@@ -378,5 +384,7 @@ def build(config: RunConfig, env: ServerEnv) -> FedCat:
         fraction_evaluate=config.fraction_evaluate,
         round_timeout=config.timeout,
         seed=config.seed,
+        update_clip=config.update_clip,
+        weight_clip=config.weight_clip,
     )
 

@@ -83,10 +83,11 @@ from .common import (
     to_numpy,
     to_record,
     train_content,
-    weighted_average,
 )
+from .aggregation import Aggregation, as_aggregation, from_config as aggregation_from_config
 from .fedavg import sample_count
 from .feddyn import FedDynServer, from_config as feddyn_from_config
+from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -110,6 +111,10 @@ REQUIREMENTS = (
 )
 # Random inputs on which the server checks the split of `make_model()` at the head.
 SPLIT_CHECK_SIZE = 2
+# A reported distribution's entries must sum to 1 within this (clients send float64 values).
+DISTRIBUTION_TOLERANCE = 1e-6
+# With ε-DP, an entry may stray this many noise scales (1/ε) from [0, 1]: P = e^-40 ≈ 4e-18 each.
+DP_NOISE_BOUND = 40.0
 
 
 @dataclass
@@ -163,6 +168,9 @@ class FedConcat(RelayStrategy):
     fraction_train : float (default: 1.0)
         Fraction of nodes sampled per round: inside each cluster in the encoder rounds, among
         all clustered nodes in the classifier rounds (at least one node either way).
+    aggregation : str | Aggregation (default: "mean")
+        How a cluster's encoder-round models, and the classifier rounds' heads, are combined
+        (see `FedAvg`; FedDyn's cluster step uses it in place of the mean).
     feddyn : FedDynServer | None (default: None)
         With ``local-objective='feddyn'``: FedDyn inside each cluster's FedAvg. Every cluster
         keeps its own h (a copy of this one's settings; m = the cluster's size) and its encoder
@@ -197,9 +205,11 @@ class FedConcat(RelayStrategy):
         Where label inference runs.
     output_path : str | Path | None (default: None)
         Where the final ConcatModel is saved when the run ends (`core.concat.save_concat_model`).
-    round_timeout, seed
+    round_timeout, seed, update_clip, weight_clip
         See `RelayStrategy`. Federated evaluation is not offered: a client's evaluate handler
-        knows the run's model, not the concatenated one; the server evaluates it instead.
+        knows the run's model, not the concatenated one; the server evaluates it instead. The
+        bounds apply to FedConcat-ID's label-inference models (before inference), the encoder
+        rounds (a reference per cluster) and the head rounds (a reference of their own).
 
     Raises ValueError at construction for invalid settings, and in `start()`, before any
     message, when `initial_arrays` has no linear head `head` (the message lists the model's
@@ -207,8 +217,10 @@ class FedConcat(RelayStrategy):
     ClientApp) or when `make_model()`'s output is not its head applied to the head's input.
 
     Faults: a missing, failed or rejected reply is left out of its aggregation in every stage.
-    A node that gives no usable distribution in stage 1 joins the cluster whose centre is
-    nearest to the average reported distribution (so its data still trains an encoder and the
+    A reported label distribution must be `num_classes` finite numbers, non-negative and summing
+    to 1 (with ε-DP noise: finite and within the noise's range, `distribution_problem`); any
+    other is rejected. A node that gives no usable distribution in stage 1 joins the cluster
+    whose centre is nearest to the average reported distribution (so its data still trains an encoder and the
     head); nodes that connect after stage 1 take no part. A node whose feature cache is gone
     answers a classifier message with a cache miss; the server re-sends the encoders to it and
     then the classifier, within the same round (once per round).
@@ -230,6 +242,7 @@ class FedConcat(RelayStrategy):
         classifier_steps: int = 3,
         init_classifier: bool = False,
         fraction_train: float = 1.0,
+        aggregation: str | Aggregation = "mean",
         feddyn: FedDynServer | None = None,
         head: str = DEFAULT_HEAD,
         model_name: str = "",
@@ -241,8 +254,10 @@ class FedConcat(RelayStrategy):
         output_path: str | Path | None = None,
         round_timeout: float | None = None,
         seed: int = 0,
+        update_clip: float = DEFAULT_UPDATE_CLIP,
+        weight_clip: float = DEFAULT_WEIGHT_CLIP,
     ) -> None:
-        super().__init__(fraction_evaluate=0.0, round_timeout=round_timeout, seed=seed)
+        super().__init__(0.0, round_timeout, seed, update_clip, weight_clip)
         if num_clusters is not None and num_clusters < 1:
             raise ValueError(f"num_clusters must be >= 1 or None (elbow), got {num_clusters}")
         if min(encoder_rounds, classifier_rounds, classifier_steps, id_samples) < 1:
@@ -271,6 +286,7 @@ class FedConcat(RelayStrategy):
         self.classifier_steps = classifier_steps
         self.init_classifier = init_classifier
         self.fraction_train = fraction_train
+        self.aggregation = as_aggregation(aggregation)
         self.feddyn = feddyn
         self.head = head
         self.model_name = model_name
@@ -383,20 +399,13 @@ class FedConcat(RelayStrategy):
         ]
         hop = self.hop(grid, requests)
         distributions = {}
-        for reply in hop.replies:
+        for reply in list(hop.replies):
             values = reply.metrics.get(LABEL_DISTRIBUTION)
-            distribution = np.asarray(values if isinstance(values, list) else [], dtype=np.float64)
-            if distribution.shape != (num_classes,) or not np.isfinite(distribution).all():
-                log(
-                    WARNING,
-                    "Stage 1: node %s left out: '%s' must be %d finite numbers, got %r",
-                    reply.node_id,
-                    LABEL_DISTRIBUTION,
-                    num_classes,
-                    values,
-                )
+            problem = distribution_problem(values, num_classes, self.dp_epsilon)
+            if problem is not None:
+                self.reject(hop, reply, f"stage 1 '{LABEL_DISTRIBUTION}' {problem}")
                 continue
-            distributions[reply.node_id] = distribution
+            distributions[reply.node_id] = np.asarray(values, dtype=np.float64)
         return distributions, hop
 
     def _infer_distributions(
@@ -417,7 +426,7 @@ class FedConcat(RelayStrategy):
         )
         seed = int(self.rng.integers(2**63))
         distributions = {}
-        for reply in hop.replies:
+        for reply in self.guard.bound(hop.replies):
             model = self.make_model()
             model.load_state_dict(reply.arrays.to_torch_state_dict())
             distributions[reply.node_id] = infer_label_distribution(
@@ -541,11 +550,17 @@ class FedConcat(RelayStrategy):
     def _aggregate_encoders(
         self, server_round: int, hop: HopResult
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        bounded = []
         for cluster in range(len(self.cluster_models)):
-            replies = [reply for reply in hop.replies if reply.request.tag == cluster]
+            # Each cluster's members are measured against each other: clusters differ in data,
+            # and so in how far an ordinary round moves their model.
+            replies = self.guard.bound(
+                [reply for reply in hop.replies if reply.request.tag == cluster], stream=f"cluster-{cluster}"
+            )
+            bounded += replies
             if replies:
                 models = [r.arrays for r in replies]
-                average = weighted_average(models, [r.num_examples for r in replies])
+                average = self.aggregation.combine(models, [r.num_examples for r in replies])
                 if self.cluster_feddyn:
                     members = len(self.members(cluster))
                     average = self.cluster_feddyn[cluster].step(self.cluster_models[cluster], models, average, members)
@@ -555,29 +570,27 @@ class FedConcat(RelayStrategy):
             self.record("feddyn_h_norm", [server.h_norm for server in self.cluster_feddyn])
         if server_round == self.encoder_rounds and self.evaluate_model is not None:
             self.record("cluster_evaluation", self._evaluate_clusters())
-        if not hop.replies:
+        if not bounded:
             return None, None
-        metrics = aggregate_metricrecords([reply.content for reply in hop.replies], NUM_EXAMPLES_KEY)
+        metrics = aggregate_metricrecords([reply.content for reply in bounded], NUM_EXAMPLES_KEY)
         return self._ensemble(), metrics
 
     def _aggregate_classifier(self, hop: HopResult) -> tuple[ArrayRecord | None, MetricRecord | None]:
         plan = self._classifier_round
         assert plan is not None
-        missed = []
-        for reply in hop.replies:
-            if reply.metrics.get(CACHE_MISS):
-                missed.append(reply.node_id)
-                self.cached.discard(reply.node_id)
-                plan.trained.discard(reply.node_id)
-            else:
-                plan.replies.append(reply)
+        missed = [reply.node_id for reply in hop.replies if reply.metrics.get(CACHE_MISS)]
+        for node in missed:
+            self.cached.discard(node)
+            plan.trained.discard(node)
+        trained = [reply for reply in hop.replies if not reply.metrics.get(CACHE_MISS)]
+        plan.replies += self.guard.bound(trained, stream="head")
         if missed:
             log(WARNING, "Nodes %s have no feature cache; the encoders are sent to them again", missed)
             plan.cache_misses += missed
             self.record("cache_misses", sorted(plan.cache_misses))
         if not plan.replies:
             return None, None
-        self.classifier = weighted_average(
+        self.classifier = self.aggregation.combine(
             [r.arrays for r in plan.replies], [r.num_examples for r in plan.replies]
         )
         metrics = aggregate_metricrecords([reply.content for reply in plan.replies], NUM_EXAMPLES_KEY)
@@ -762,6 +775,31 @@ class FedConcat(RelayStrategy):
         self.bytes_by_stage = copy.deepcopy(saved["bytes_by_stage"])
 
 
+def distribution_problem(values: Any, num_classes: int, dp_epsilon: float) -> str | None:
+    """Why a reported label distribution is unusable, or None.
+
+    It must be `num_classes` finite numbers. Without noise (ε = 0) they are probabilities:
+    each ≥ 0 and their sum 1 (within DISTRIBUTION_TOLERANCE). With Laplace(1/ε) noise on each
+    entry an honest report can be negative and sum to anything, but no entry strays more than
+    DP_NOISE_BOUND/ε from [0, 1] (a probability of e^-DP_NOISE_BOUND per entry).
+    """
+    if not isinstance(values, list) or len(values) != num_classes:
+        return f"must be a list of {num_classes} numbers, got {values!r}"
+    distribution = np.asarray(values, dtype=np.float64)
+    if not np.isfinite(distribution).all():
+        return f"must be finite, got {values!r}"
+    if dp_epsilon > 0:
+        slack = DP_NOISE_BOUND / dp_epsilon
+        if distribution.min() < -slack or distribution.max() > 1 + slack:
+            return f"strays beyond [-{slack:g}, {1 + slack:g}] (more than Laplace noise at epsilon {dp_epsilon:g} does)"
+        return None
+    if distribution.min() < -DISTRIBUTION_TOLERANCE:
+        return f"has a negative entry ({distribution.min():g})"
+    if abs(distribution.sum() - 1.0) > DISTRIBUTION_TOLERANCE:
+        return f"sums to {distribution.sum():g}, not 1"
+    return None
+
+
 def fingerprint(arrays: ArrayRecord) -> str:
     """Short SHA-256 of an ArrayRecord's keys and bytes (names the encoders a cache was built from)."""
     digest = hashlib.sha256()
@@ -790,6 +828,7 @@ def build(config: RunConfig, env: ServerEnv) -> FedConcat:
         classifier_steps=config.fedconcat_classifier_steps,
         init_classifier=config.fedconcat_init_classifier,
         fraction_train=config.fraction_train,
+        aggregation=aggregation_from_config(config),
         feddyn=feddyn_from_config(config, env),
         model_name=resolve_model_name(config.model, config.dataset),
         input_shape=env.data.input_shape,
@@ -800,4 +839,6 @@ def build(config: RunConfig, env: ServerEnv) -> FedConcat:
         output_path=Path(config.output_dir) / MODEL_FILE,
         round_timeout=config.timeout,
         seed=config.seed,
+        update_clip=config.update_clip,
+        weight_clip=config.weight_clip,
     )

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord
+from flwr.app import ArrayRecord
 from torch import nn
 
-from .common import to_numpy
+from .common import to_numpy, to_record
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -102,7 +102,7 @@ class FedDynServer:
         model, self.h = feddyn_server_update(
             before, [to_numpy(m) for m in models], to_numpy(average), self.h, self.alpha, num_clients
         )
-        return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in model.items()})
+        return to_record(model)
 
     @property
     def h_norm(self) -> float:

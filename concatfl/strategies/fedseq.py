@@ -44,6 +44,7 @@ from .common import (
 )
 from .fedavg import sample_count
 from .feddyn import FedDynServer, from_config as feddyn_from_config
+from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
 from .sequential import DEFAULT_HOP_CLIP, DEFAULT_HOP_STEP, ChainGuard
 
 if TYPE_CHECKING:
@@ -147,9 +148,11 @@ class FedSeq(RelayStrategy):
         balance from them too.
     hop_step, hop_clip, check_parts (default: 0.5, 1.5, True)
         The server's damped (η) and bounded (c) hops and its divergence check: see `ChainGuard`
-        and docs/strategies.md. `hop_step=1, hop_clip=0` is the paper's algorithm exactly.
-    fraction_evaluate, round_timeout, seed
-        See `RelayStrategy`.
+        and docs/strategies.md. `hop_step=1, hop_clip=0` (with `update_clip=0`) is the paper's
+        algorithm exactly.
+    fraction_evaluate, round_timeout, seed, update_clip, weight_clip
+        See `RelayStrategy`. The pre-training replies are bounded against each other (stream
+        "pretrain"): their sample counts are the superclients' weights.
     """
 
     # pylint: disable=too-many-arguments, too-many-locals, too-many-instance-attributes
@@ -183,8 +186,10 @@ class FedSeq(RelayStrategy):
         fraction_evaluate: float = 0.0,
         round_timeout: float | None = None,
         seed: int = 0,
+        update_clip: float = DEFAULT_UPDATE_CLIP,
+        weight_clip: float = DEFAULT_WEIGHT_CLIP,
     ) -> None:
-        super().__init__(fraction_evaluate=fraction_evaluate, round_timeout=round_timeout, seed=seed)
+        super().__init__(fraction_evaluate, round_timeout, seed, update_clip, weight_clip)
         if approximator is None:
             approximator = "conf" if exemplar_pool is not None else "clf"
         if metric is None:
@@ -231,7 +236,7 @@ class FedSeq(RelayStrategy):
         self.feddyn = feddyn
         self.report_label_counts = report_label_counts
         keys = ("fedseq-hop-step", "fedseq-hop-clip")
-        self.guard = ChainGuard(type(self).__name__, hop_step, hop_clip, keys, check_parts)
+        self.chain = ChainGuard(type(self).__name__, self.guard, hop_step, hop_clip, keys, check_parts)
         self.plan: dict[int, list[int]] = {}  # the superclients as stage 1 built them
         self.superclients: dict[int, list[int]] = {}  # this round's: the plan's connected members
         self.client_samples: dict[int, int] = {}
@@ -262,7 +267,7 @@ class FedSeq(RelayStrategy):
         nodes = live_node_ids(grid)
         requests = [Request(node, train_content(initial_arrays, settings), tag="pretrain") for node in nodes]
         pretraining = self.hop(grid, requests)
-        replies = sorted(pretraining.replies, key=lambda reply: reply.node_id)
+        replies = sorted(self.guard.bound(pretraining.replies, stream="pretrain"), key=lambda reply: reply.node_id)
         if not replies:
             raise RuntimeError(f"FedSeq pre-training: none of the {len(nodes)} nodes returned a usable model")
         node_ids = [reply.node_id for reply in replies]
@@ -435,9 +440,11 @@ class FedSeq(RelayStrategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Move each chain's model on; after the last hop, combine the superclient models."""
         chains = {chain.superclient: chain for chain in self._chains}
-        for reply in hop.replies:
+        firsts = [reply for reply in hop.replies if chains[reply.request.tag].trained == 0]
+        laters = [reply for reply in hop.replies if chains[reply.request.tag].trained > 0]
+        for reply in self.chain.fold(firsts, first_hop=True) + self.chain.fold(laters, first_hop=False):
             chain = chains[reply.request.tag]
-            chain.model = self.guard.step(chain.model, reply.arrays, first_hop=chain.trained == 0)
+            chain.model = reply.arrays
             chain.trained += 1
             self._round_metrics.append(RecordDict({METRICS_KEY: reply.metrics}))
         for miss in hop.misses:
@@ -501,7 +508,7 @@ class FedSeq(RelayStrategy):
     ) -> None:
         """Record (``divergence``) how far the averaged superclient models ended apart."""
         evaluate = self.evaluate_on_server(server_round)
-        self.record("divergence", self.guard.check(start, models, weights, average, evaluate))
+        self.record("divergence", self.chain.check(start, models, weights, average, evaluate))
 
     def _feddyn_step(
         self, previous: ArrayRecord, models: list[ArrayRecord], average: ArrayRecord, num_clients: int
@@ -536,7 +543,7 @@ class FedSeq(RelayStrategy):
             "superclients": {sid: list(nodes) for sid, nodes in self.superclients.items()},
             "client_samples": dict(self.client_samples),
             "exemplars": self._exemplars.copy(),
-            "guard": self.guard.state_dict(),
+            "chain": self.chain.state_dict(),
             **({"feddyn": self.feddyn.state_dict()} if self.feddyn is not None else {}),
         }
 
@@ -547,7 +554,7 @@ class FedSeq(RelayStrategy):
         self.superclients = {int(sid): list(nodes) for sid, nodes in state["superclients"].items()}
         self.client_samples = {int(node): int(n) for node, n in state["client_samples"].items()}
         self._exemplars = np.asarray(state["exemplars"], dtype=np.int64)
-        self.guard.load_state_dict(state["guard"])
+        self.chain.load_state_dict(state["chain"])
         if self.feddyn is not None:
             self.feddyn.load_state_dict(state["feddyn"])
         self._announce_exemplars()
@@ -702,4 +709,6 @@ def build(config: RunConfig, env: ServerEnv) -> FedSeq:
         fraction_evaluate=config.fraction_evaluate,
         round_timeout=config.timeout,
         seed=config.seed,
+        update_clip=config.update_clip,
+        weight_clip=config.weight_clip,
     )

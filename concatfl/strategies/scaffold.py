@@ -15,31 +15,31 @@ Both directions carry two model-sized records, so a round costs about twice FedA
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from logging import WARNING
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
-from flwr.supercore import log
 
 from ..objectives import CONTROL_KEY
 from .base import RelayStrategy
+from .aggregation import Aggregation, as_aggregation, from_config as aggregation_from_config
 from .common import (
     ARRAYS_KEY,
     NUM_EXAMPLES_KEY,
     HopResult,
-    Miss,
     Request,
     live_node_ids,
     reply_problem,
     sample_nodes,
     to_numpy,
+    to_record,
     train_content,
 )
 from .fedavg import sample_count
 from .feddyn import parameter_names
+from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -51,22 +51,22 @@ State = dict[str, np.ndarray]
 def scaffold_server_update(
     model: Mapping[str, np.ndarray],
     control: Mapping[str, np.ndarray],
-    model_deltas: Sequence[Mapping[str, np.ndarray]],
+    model_delta: Mapping[str, np.ndarray],
     control_deltas: Sequence[Mapping[str, np.ndarray]],
     server_lr: float,
     num_clients: int,
 ) -> tuple[State, State]:
-    """(x, c) after one round: x + η_g·mean(Δy_i) and c + Σ Δc_i / N, each array keeping its dtype.
+    """(x, c) after one round: x + η_g·Δy and c + Σ Δc_i / N, each array keeping its dtype.
 
+    Δy is the round's combined model delta (the mean of the Δy_i, or a robust rule's result).
     η_g scales the arrays that have control variates (the parameters); the others (BatchNorm's
-    running statistics and `num_batches_tracked`, rounded) move by the plain mean of their deltas,
-    since a scaled running variance could turn negative.
+    running statistics and `num_batches_tracked`, rounded) move by Δy as it is, since a scaled
+    running variance could turn negative.
     """
     new_model = {}
     for key, value in model.items():
         rate = server_lr if key in control else 1.0
-        step = rate * np.mean([delta[key].astype(np.float64) for delta in model_deltas], axis=0)
-        moved = value.astype(np.float64) + step
+        moved = value.astype(np.float64) + rate * model_delta[key].astype(np.float64)
         new_model[key] = (np.rint(moved) if np.issubdtype(value.dtype, np.integer) else moved).astype(value.dtype)
     new_control = {
         key: (value + sum(delta[key].astype(np.float64) for delta in control_deltas) / num_clients).astype(value.dtype)
@@ -80,8 +80,9 @@ class Scaffold(RelayStrategy):
 
     Replies are validated like every strategy's (``"arrays"``, the model delta, must match the
     model's keys, shapes and dtypes and be finite; ``num-examples`` > 0), and ``"control"`` must
-    match c the same way; a reply failing either is a logged miss. The mean of the model deltas
-    is unweighted, as in the paper.
+    match c the same way; a reply failing either is a logged miss. Both deltas are bounded
+    (`update_clip`: Δy against the recent Δy, Δc against the recent Δc). The mean of the model
+    deltas is unweighted, as in the paper; a robust `aggregation` replaces it.
 
     Parameters
     ----------
@@ -94,7 +95,9 @@ class Scaffold(RelayStrategy):
     control_keys : Sequence[str] | None (default: None)
         The arrays that have control variates: the model's parameters (`feddyn.parameter_names`).
         None: every floating-point array of the initial model.
-    fraction_evaluate, round_timeout, seed
+    aggregation : str | Aggregation (default: "mean")
+        How the model deltas Δy_i are combined (see `FedAvg`); c always moves by Σ Δc_i / N.
+    fraction_evaluate, round_timeout, seed, update_clip, weight_clip
         See `RelayStrategy`.
     """
 
@@ -105,11 +108,14 @@ class Scaffold(RelayStrategy):
         min_train_nodes: int = 1,
         server_lr: float = 1.0,
         control_keys: Sequence[str] | None = None,
+        aggregation: str | Aggregation = "mean",
         fraction_evaluate: float = 0.0,
         round_timeout: float | None = None,
         seed: int = 0,
+        update_clip: float = DEFAULT_UPDATE_CLIP,
+        weight_clip: float = DEFAULT_WEIGHT_CLIP,
     ) -> None:
-        super().__init__(fraction_evaluate=fraction_evaluate, round_timeout=round_timeout, seed=seed)
+        super().__init__(fraction_evaluate, round_timeout, seed, update_clip, weight_clip)
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
         if not server_lr > 0:
@@ -118,6 +124,7 @@ class Scaffold(RelayStrategy):
         self.min_train_nodes = min_train_nodes
         self.server_lr = server_lr
         self.control_keys = None if control_keys is None else list(control_keys)
+        self.aggregation = as_aggregation(aggregation)
         self.control: ArrayRecord | None = None  # c, created from the first model sent
         self._sent: ArrayRecord | None = None
         self._num_nodes = 0
@@ -150,27 +157,28 @@ class Scaffold(RelayStrategy):
     def aggregate_hop(
         self, server_round: int, hop: HopResult
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Drop replies with an unusable control variate, then update x and c."""
+        """Drop replies with an unusable control variate, bound both deltas, then update x and c."""
         assert self.control is not None and self._sent is not None
         for reply in list(hop.replies):
             problem = control_problem(reply.content, self.control)
             if problem is not None:
-                hop.replies.remove(reply)
-                hop.misses.append(Miss(reply.request, f"rejected: {problem}"))
-                log(WARNING, "Node %s left out: %s", reply.node_id, problem)
-        if not hop.replies:
+                self.reject(hop, reply, problem)
+        replies = self.guard.bound(hop.replies, stream="model-delta", from_zero=True)
+        replies = self.guard.bound(replies, stream="control-delta", key=CONTROL_KEY, from_zero=True, weights=False)
+        if not replies:
             return None, None
+        deltas = [reply.arrays for reply in replies]
         model, control = scaffold_server_update(
             to_numpy(self._sent),
             to_numpy(self.control),
-            [to_numpy(reply.arrays) for reply in hop.replies],
-            [to_numpy(reply.content.array_records[CONTROL_KEY]) for reply in hop.replies],
+            to_numpy(self.aggregation.combine(deltas, [1.0] * len(deltas))),
+            [to_numpy(reply.content.array_records[CONTROL_KEY]) for reply in replies],
             self.server_lr,
             self._num_nodes,
         )
-        self.control = _record(control)
-        metrics = aggregate_metricrecords([reply.content for reply in hop.replies], NUM_EXAMPLES_KEY)
-        return _record(model), metrics
+        self.control = to_record(control)
+        metrics = aggregate_metricrecords([reply.content for reply in replies], NUM_EXAMPLES_KEY)
+        return to_record(model), metrics
 
     def state_dict(self) -> dict[str, Any]:
         """Base state plus c."""
@@ -179,7 +187,7 @@ class Scaffold(RelayStrategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
         super().load_state_dict(state)
-        self.control = None if state["control"] is None else _record(state["control"])
+        self.control = None if state["control"] is None else to_record(state["control"])
 
 
 def control_problem(content: RecordDict, control: ArrayRecord) -> str | None:
@@ -195,11 +203,9 @@ def control_problem(content: RecordDict, control: ArrayRecord) -> str | None:
 def _zeros(arrays: ArrayRecord, keys: Sequence[str] | None) -> ArrayRecord:
     model = to_numpy(arrays)
     chosen = keys if keys is not None else [k for k, v in model.items() if np.issubdtype(v.dtype, np.floating)]
-    return _record({key: np.zeros_like(model[key]) for key in chosen})
+    return to_record({key: np.zeros_like(model[key]) for key in chosen})
 
 
-def _record(values: Mapping[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in values.items()})
 
 
 def build(config: RunConfig, env: ServerEnv) -> Scaffold:
@@ -208,7 +214,10 @@ def build(config: RunConfig, env: ServerEnv) -> Scaffold:
         fraction_train=config.fraction_train,
         server_lr=config.scaffold_server_lr,
         control_keys=parameter_names(env.make_model),
+        aggregation=aggregation_from_config(config),
         fraction_evaluate=config.fraction_evaluate,
         round_timeout=config.timeout,
         seed=config.seed,
+        update_clip=config.update_clip,
+        weight_clip=config.weight_clip,
     )

@@ -1,18 +1,19 @@
 """The server's guard over sequentially trained models, shared by FedCat and FedSeq/FedSeqInter.
 
-`ChainGuard.step` folds a client's reply into the model that travels: the hop's update is
-taken with the step size of `concatfl.core.sequential.hop_step_size` (a fixed server step η
-and a bound on hops much longer than first hops). `ChainGuard.check` runs whenever the
-travelling models are averaged: it measures how far they ended apart, how long the later hops
-were against first hops, and (with the run's central evaluation) the accuracy of the models,
-of their average and of the model the run started from; it returns that as a JSON-ready record
-for metrics.json and logs one WARNING per run the first time the chains look broken
+`ChainGuard.fold` turns a hop's replies into the models that travel on: each hop's update is
+taken with the share s = min(η, c·r/‖update‖) of `concatfl.core.bounds`, through the strategy's
+`ReplyGuard` (so the bound every strategy puts on every reply applies too): a fixed server step
+η and, for later hops, a bound c·r relative to the first hops (those that start from the
+averaged model, which are the reference). `ChainGuard.check` runs whenever the travelling
+models are averaged: it measures how far they ended apart, how long the later hops were against
+first hops, and (with the run's central evaluation) the accuracy of the models, of their average
+and of the model the run started from; it returns that as a JSON-ready record for metrics.json
+and logs one WARNING per run the first time the chains look broken
 (`concatfl.core.sequential.diverged`).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from logging import WARNING
 from typing import Any
@@ -21,8 +22,9 @@ import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.supercore import log
 
-from ..core.sequential import REFERENCE_HOPS, damp, diverged, divergence, hop_step_size, reference_length, update_norm
-from .common import to_numpy, to_record
+from ..core.sequential import diverged, divergence
+from .common import Reply, to_numpy
+from .guard import ReplyGuard
 
 Evaluate = Callable[[ArrayRecord], MetricRecord | None]
 # The step and bound FedCat and FedSeq use unless told otherwise (docs/results.md, the
@@ -38,13 +40,17 @@ class ChainGuard:
     ----------
     strategy : str
         Name used in log messages ("FedCat", "FedSeq", …).
+    replies : ReplyGuard
+        The strategy's guard: it bounds every hop (its update clip applies to all of them) and
+        keeps the first hops' lengths as the reference (stream "model").
     hop_step : float
         η in (0, 1]: the share of each hop's update the server takes (1: all of it); the
         travelling model moves by s·(returned − sent), s ≤ η.
     hop_clip : float
-        c ≥ 0: a hop may move the model at most c times the median length of the recent first
-        hops (those that start from the averaged model); longer hops are scaled down to that
-        length. 0 turns the bound off; with `hop_step` = 1 that is the paper's algorithm.
+        c ≥ 0: a later hop may move the model at most c times the reference, the lower median
+        length of the recent first hops (those that start from the averaged model); longer hops
+        are scaled down to that length. 0 turns this bound off; with `hop_step` = 1 (and
+        `update_clip` = 0) that is the paper's algorithm.
     keys : tuple[str, str]
         The run-config keys of `hop_step` and `hop_clip`, named in the warning.
     check_parts : bool
@@ -55,40 +61,43 @@ class ChainGuard:
 
     # pylint: disable=too-many-arguments
     def __init__(
-        self, strategy: str, hop_step: float, hop_clip: float, keys: tuple[str, str], check_parts: bool = True
+        self,
+        strategy: str,
+        replies: ReplyGuard,
+        hop_step: float,
+        hop_clip: float,
+        keys: tuple[str, str],
+        check_parts: bool = True,
     ) -> None:
         if not 0.0 < hop_step <= 1.0:
             raise ValueError(f"hop_step must be in (0, 1] (1 = take each reply as it is), got {hop_step}")
         if hop_clip < 0:
             raise ValueError(f"hop_clip must be >= 0 (0 = no bound), got {hop_clip}")
         self.strategy = strategy
+        self.replies = replies
         self.hop_step = hop_step
         self.hop_clip = hop_clip
         self.keys = keys
         self.check_parts = check_parts
-        self._first_lengths: deque[float] = deque(maxlen=REFERENCE_HOPS)
         self._later_ratios: list[float] = []  # since the last check: later hop length / reference
         self._steps: list[float] = []  # since the last check: the step size each hop was given
         self._aggregations = 0
         self._start_accuracy: float | None = None  # of the model the first chains started from
         self._warned = False
 
-    def step(self, sent: ArrayRecord, returned: ArrayRecord, first_hop: bool) -> ArrayRecord:
-        """The travelling model after a reply to `sent`; `first_hop`: `sent` is the averaged
-        model the chain started from (its length joins the reference instead of being bounded)."""
-        length = update_norm(to_numpy(sent), to_numpy(returned))
-        reference = reference_length(self._first_lengths)
-        if first_hop:
-            self._first_lengths.append(length)
-            size = self.hop_step
-        else:
-            if reference is not None and reference > 0:
-                self._later_ratios.append(length / reference)
-            size = hop_step_size(length, reference, self.hop_step, self.hop_clip)
-        self._steps.append(size)
-        if size == 1.0:
-            return returned
-        return to_record(damp(to_numpy(sent), to_numpy(returned), size))
+    def fold(self, replies: Sequence[Reply], first_hop: bool) -> list[Reply]:
+        """The replies, each now holding the travelling model it makes: what was sent moved by
+        s·(returned − sent) (a reply within every bound at η = 1 is returned as it is).
+        `first_hop`: the replies answer the averaged model a chain started from (their lengths
+        join the reference instead of being bounded by `hop_clip`)."""
+        folded = self.replies.bound(
+            replies, step=self.hop_step, hop_clip=0.0 if first_hop else self.hop_clip, joins=first_hop
+        )
+        for reply in folded:
+            if not first_hop and reply.reference and reply.length is not None:
+                self._later_ratios.append(reply.length / reply.reference)
+            self._steps.append(reply.share)
+        return folded
 
     def check(
         self,
@@ -144,7 +153,6 @@ class ChainGuard:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to bound its hops exactly as this one would."""
         return {
-            "first_lengths": list(self._first_lengths),
             "later_ratios": list(self._later_ratios),
             "steps": list(self._steps),
             "aggregations": self._aggregations,
@@ -154,7 +162,6 @@ class ChainGuard:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s output."""
-        self._first_lengths = deque((float(x) for x in state["first_lengths"]), maxlen=REFERENCE_HOPS)
         self._later_ratios = [float(x) for x in state["later_ratios"]]
         self._steps = [float(x) for x in state["steps"]]
         self._aggregations = int(state["aggregations"])

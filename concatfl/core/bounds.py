@@ -1,0 +1,106 @@
+"""The bound on what one reply may do to a model: one rule for every strategy.
+
+A reply moves a model from the `origin` it was sent (FedAvg's global model, FedCat's copy, the
+previous client's model in a FedSeq chain) to the model it returns; its *update* is the
+difference, its *length* the update's norm. The server takes a share s of each update:
+
+    s = min(step, c·r/length)
+
+where `step` is what the strategy would take anyway (1 for an average; a sequential strategy's
+damped step η) and c·r the bound: c times the *reference* r, the lower median of the recent
+lengths of honest-looking updates of the same kind. An update no longer than c·r is taken as the
+strategy would take it; a longer one is scaled down to length c·r, so no single reply can move
+the model further than c ordinary updates, whatever its client sent. A reply's weight (its
+num-examples) is bounded the same way: at most c_w times the lower median of the recent weights.
+
+The lower median (the ⌈n/2⌉-th smallest value) rather than the median: of two values it is the
+smaller, so one honest and one outsized reply give the honest one's length, not their mean.
+
+Models are `{name: numpy array}` mappings; everything here is pure numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+Weights = Mapping[str, np.ndarray]
+
+# How many recent lengths (or weights) of earlier hops join the reference, besides the hop's own.
+REFERENCE_WINDOW = 10
+# The default clips c (updates) and c_w (weights) of every strategy (run-config `update-clip`,
+# `weight-clip`); docs/strategies.md, "Bounded replies", gives the evidence behind them.
+DEFAULT_UPDATE_CLIP = 4.0
+DEFAULT_WEIGHT_CLIP = 4.0
+
+
+def flatten(model: Weights) -> np.ndarray:
+    """The model's floating-point arrays as one float64 vector (keys in sorted order)."""
+    floats = [
+        np.asarray(model[key], dtype=np.float64).ravel()
+        for key in sorted(model)
+        if np.issubdtype(np.asarray(model[key]).dtype, np.floating)
+    ]
+    return np.concatenate(floats) if floats else np.zeros(0)
+
+
+def update_norm(origin: Weights | None, returned: Weights) -> float:
+    """‖returned − origin‖ over the floating-point arrays (origin None: ‖returned‖, for replies
+    that are updates themselves, such as SCAFFOLD's Δy and Δc)."""
+    moved = flatten(returned) if origin is None else flatten(returned) - flatten(origin)
+    return float(np.linalg.norm(moved))
+
+
+def reference(values: Iterable[float]) -> float | None:
+    """r: the lower median of `values` (the ⌈n/2⌉-th smallest), None when there are none."""
+    ordered = sorted(values)
+    return float(ordered[(len(ordered) - 1) // 2]) if ordered else None
+
+
+def bound_share(length: float, ref: float | None, clip: float, step: float = 1.0) -> float:
+    """s = min(step, clip·r/length): the share of an update of this `length` the server takes.
+
+    No bound applies when `clip` is 0 (off), when there is no reference yet (r None or 0), or to
+    an update that did not move the model.
+    """
+    if clip <= 0 or ref is None or ref <= 0 or length <= 0:
+        return step
+    return min(step, clip * ref / length)
+
+
+def bounded_weight(weight: float, ref: float | None, clip: float) -> float:
+    """min(weight, clip·r): a reply's weight (num-examples) bounded by its reference (clip 0: off)."""
+    if clip <= 0 or ref is None or ref <= 0:
+        return weight
+    return min(weight, clip * ref)
+
+
+def move(origin: Weights, returned: Weights, share: float) -> dict[str, np.ndarray]:
+    """origin + share·(returned − origin), key by key, each array keeping its dtype.
+
+    Integer arrays (BatchNorm's `num_batches_tracked`) are counters, not weights: they take the
+    returned value. `share` = 1 returns `returned` exactly.
+    """
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"the share of an update must be in (0, 1], got {share}")
+    if set(origin) != set(returned):
+        raise ValueError(f"models differ in keys: {sorted(set(origin) ^ set(returned))}")
+    moved = {}
+    for key, before in origin.items():
+        after = returned[key]
+        if share == 1.0 or not np.issubdtype(before.dtype, np.floating):
+            moved[key] = np.array(after, copy=True)
+        else:
+            step = before.astype(np.float64) + share * (after.astype(np.float64) - before.astype(np.float64))
+            moved[key] = step.astype(before.dtype)
+    return moved
+
+
+def scale(update: Weights, share: float) -> dict[str, np.ndarray]:
+    """share·update for the floating-point arrays (an update that is itself the reply, e.g.
+    SCAFFOLD's Δy); integer arrays are kept as they are."""
+    return {
+        key: (value.astype(np.float64) * share).astype(value.dtype) if np.issubdtype(value.dtype, np.floating) else value
+        for key, value in update.items()
+    }

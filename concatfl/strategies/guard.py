@@ -1,0 +1,244 @@
+"""The server's guard over replies: no single reply may move a model or weigh in without bound.
+
+Validation (`common.reply_problem`) rejects replies that are malformed: wrong keys, shapes or
+dtypes, NaN/Inf, a num-examples that is not a whole number ≥ 1. A reply can be well-formed and
+still wrong: every weight multiplied by 10⁶ (an fp16 overflow, a wrong loss scale, or an
+attacker), a num-examples of 10¹² (a loader that double counts). Averaged as it is, one such
+reply wrecks the global model for good. `ReplyGuard.bound` applies the rule of
+`concatfl.core.bounds` to every reply a strategy aggregates:
+
+* its update (returned − sent) moves the model at most `update_clip` times the reference length
+  r of its *stream* (the lower median of the recent lengths of updates of the same kind: FedAvg's
+  client updates, FedCat's and FedSeq's first hops, SCAFFOLD's Δy, FedConcat's head updates…);
+* its weight (num-examples) counts at most `weight_clip` times the lower median of the recent
+  weights of all replies (a node's data size does not depend on the kind of message it answers;
+  one reference for all streams also keeps a few large members of one FedConcat cluster from
+  being measured against a single small one).
+
+Every clipped or down-weighted reply is recorded (node, stream, factor) under ``"guard"`` in the
+round's record, and counted in the round's log line (rejected replies are the hops' misses); the
+record also keeps, per stream, the reference and the largest length and weight relative to it
+(``"streams"``: how close the round's replies came to the bounds); a node whose
+replies are clipped, down-weighted or rejected in `WARN_AFTER_ROUNDS` rounds gets one WARNING
+that names it. The sequential strategies' damped step η and their bound on later hops are the
+same rule with another step and another clip (`ChainGuard`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Sequence
+from logging import WARNING
+from typing import Any
+
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.supercore import log
+
+from ..core.bounds import (
+    DEFAULT_UPDATE_CLIP,
+    DEFAULT_WEIGHT_CLIP,
+    REFERENCE_WINDOW,
+    bound_share,
+    bounded_weight,
+    move,
+    reference,
+    scale,
+    update_norm,
+)
+from .common import ARRAYS_KEY, METRICS_KEY, NUM_EXAMPLES_KEY, Miss, Reply, jsonable, to_numpy, to_record
+
+# A node whose replies were clipped, down-weighted or rejected in this many rounds is named once.
+WARN_AFTER_ROUNDS = 3
+
+
+def check_clip(name: str, value: float) -> None:
+    """A clip factor is 0 (off) or at least 1 (a bound below the reference would cut typical replies)."""
+    if not (value == 0 or value >= 1):
+        raise ValueError(f"{name} must be 0 (off) or >= 1, got {value}")
+
+
+class ReplyGuard:
+    """Bounded updates and weights for one strategy, and the record of every intervention.
+
+    Parameters
+    ----------
+    strategy : str
+        Name used in log messages.
+    update_clip : float (default: DEFAULT_UPDATE_CLIP)
+        c ≥ 1: an update moves the model at most c times the reference length of its stream;
+        0 turns the bound off.
+    weight_clip : float (default: DEFAULT_WEIGHT_CLIP)
+        c_w ≥ 1: a reply's num-examples counts at most c_w times the lower median of the recent
+        weights of all replies; 0 turns the bound off.
+    """
+
+    def __init__(
+        self, strategy: str, update_clip: float = DEFAULT_UPDATE_CLIP, weight_clip: float = DEFAULT_WEIGHT_CLIP
+    ) -> None:
+        check_clip("update_clip", update_clip)
+        check_clip("weight_clip", weight_clip)
+        self.strategy = strategy
+        self.update_clip = update_clip
+        self.weight_clip = weight_clip
+        self._lengths: dict[str, deque[float]] = {}
+        self._weights: deque[float] = deque(maxlen=REFERENCE_WINDOW)
+        self._round = 0
+        self._events: list[dict[str, Any]] = []
+        self._streams: dict[str, dict[str, float | None]] = {}
+        self._node_rounds: dict[int, set[int]] = {}
+        self._warned: set[int] = set()
+
+    # ------------------------------------------------------------------ bounding
+    # pylint: disable=too-many-arguments, too-many-locals
+    def bound(
+        self,
+        replies: Sequence[Reply],
+        *,
+        stream: str = "model",
+        step: float = 1.0,
+        hop_clip: float = 0.0,
+        joins: bool = True,
+        key: str = ARRAYS_KEY,
+        from_zero: bool = False,
+        weights: bool = True,
+    ) -> list[Reply]:
+        """The replies with their updates and weights bounded (new `Reply` objects; a reply
+        within every bound keeps its arrays object).
+
+        `stream` names the reference the replies are measured against; `joins`: their lengths
+        join it (updates from a common start: FedAvg's, a chain's first hops), else they are
+        only measured (a chain's later hops). `step` is the share the strategy takes of an
+        update within the bounds (a chain's damped η), `hop_clip` a further bound (a chain's
+        later hops). `key` is the ArrayRecord bounded; `from_zero`: its arrays are updates
+        themselves (SCAFFOLD), else models to compare with what was sent. `weights`: bound
+        num-examples too. Each returned reply carries `length`, `reference` and `share`.
+        """
+        if not replies:
+            return []
+        origins = [None if from_zero else to_numpy(_sent(reply, key)) for reply in replies]
+        returned = [to_numpy(reply.content.array_records[key]) for reply in replies]
+        lengths = [update_norm(origin, values) for origin, values in zip(origins, returned)]
+        window = self._lengths.setdefault(stream, deque(maxlen=REFERENCE_WINDOW))
+        ref = reference([*window, *(lengths if joins else [])])
+        weight_ref = reference([*self._weights, *(reply.num_examples for reply in replies)]) if weights else None
+        bounded = []
+        for reply, origin, values, length in zip(replies, origins, returned, lengths):
+            share = bound_share(length, ref, self.update_clip, step)
+            if share < step:
+                self._note(reply, "clipped", stream=stream, factor=share / step, length=length, bound=self.update_clip * ref)
+            share = min(share, bound_share(length, ref, hop_clip, step))
+            content = reply.content
+            if share < 1.0:
+                moved = scale(values, share) if origin is None else move(origin, values, share)
+                content = _replace(content, key, to_record(moved))
+            num_examples = reply.num_examples
+            if weights:
+                num_examples = max(1, int(bounded_weight(reply.num_examples, weight_ref, self.weight_clip)))
+                if num_examples < reply.num_examples:
+                    self._note(
+                        reply, "down-weighted", stream=stream, factor=num_examples / reply.num_examples,
+                        reported=reply.num_examples, weight=num_examples,
+                    )
+                    content = _with_num_examples(content, num_examples)
+            bounded.append(
+                dataclasses.replace(
+                    reply, content=content, num_examples=num_examples, length=length, reference=ref, share=share
+                )
+            )
+        self._measure(stream if joins else f"{stream}/later", ref, max(lengths), weight_ref, replies)
+        if joins:
+            window.extend(lengths)
+        if weights:
+            self._weights.extend(reply.num_examples for reply in replies)
+        return bounded
+
+    # ------------------------------------------------------------------ records
+    def begin_round(self, server_round: int) -> None:
+        """Start the record of `server_round` (0: the strategy's setup before round 1)."""
+        self._round, self._events, self._streams = server_round, [], {}
+
+    def note_rejected(self, misses: Sequence[Miss]) -> None:
+        """Count the rejected replies among `misses` (validation failures, not absences)."""
+        for miss in misses:
+            if miss.reason.startswith("rejected"):
+                self._count(miss.request.node_id)
+
+    def round_record(self) -> dict[str, Any]:
+        """The interventions of the current round by kind, and the streams' figures ({} when no
+        reply was bounded)."""
+        record: dict[str, Any] = {}
+        for event in self._events:
+            record.setdefault(event["kind"], []).append({k: v for k, v in event.items() if k != "kind"})
+        if self._streams:
+            record["streams"] = {name: dict(figures) for name, figures in self._streams.items()}
+        return record
+
+    def _measure(
+        self, name: str, ref: float | None, longest: float, weight_ref: float | None, replies: Sequence[Reply]
+    ) -> None:
+        """Keep the largest length and weight over their references that stream `name` saw this round."""
+        figures = self._streams.setdefault(name, {"max_length_ratio": None, "max_weight_ratio": None})
+        figures["reference"] = None if ref is None else round(ref, 6)
+        if ref:
+            figures["max_length_ratio"] = round(max(figures["max_length_ratio"] or 0.0, longest / ref), 4)
+        if weight_ref:
+            heaviest = max(reply.num_examples for reply in replies) / weight_ref
+            figures["max_weight_ratio"] = round(max(figures["max_weight_ratio"] or 0.0, heaviest), 4)
+
+    def _note(self, reply: Reply, kind: str, **details: Any) -> None:
+        event = {"kind": kind, "node": reply.node_id, "tag": jsonable(reply.request.tag)}
+        event.update({k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in details.items()})
+        self._events.append(event)
+        self._count(reply.node_id)
+
+    def _count(self, node_id: int) -> None:
+        rounds = self._node_rounds.setdefault(node_id, set())
+        rounds.add(self._round)
+        if len(rounds) >= WARN_AFTER_ROUNDS and node_id not in self._warned:
+            self._warned.add(node_id)
+            log(
+                WARNING,
+                "%s: node %s sent replies that were clipped, down-weighted or rejected in rounds %s; its "
+                "ClientApp may be buggy or hostile. Each case is recorded under 'guard' and in the hops' "
+                "misses of metrics.json; this warning is logged once per node.",
+                self.strategy,
+                node_id,
+                sorted(rounds),
+            )
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The references and the per-node counts: a resumed run bounds and warns as this one would."""
+        return {
+            "lengths": {stream: list(values) for stream, values in self._lengths.items()},
+            "weights": list(self._weights),
+            "node_rounds": {str(node): sorted(rounds) for node, rounds in self._node_rounds.items()},
+            "warned": sorted(self._warned),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output."""
+        self._lengths = {s: deque(map(float, v), maxlen=REFERENCE_WINDOW) for s, v in state["lengths"].items()}
+        self._weights = deque(map(float, state["weights"]), maxlen=REFERENCE_WINDOW)
+        self._node_rounds = {int(node): set(rounds) for node, rounds in state["node_rounds"].items()}
+        self._warned = {int(node) for node in state["warned"]}
+
+
+def _sent(reply: Reply, key: str) -> ArrayRecord:
+    """What the request sent under `key` (its template for the model)."""
+    if key == ARRAYS_KEY:
+        template = reply.request.template()
+        if template is not None:
+            return template
+    return reply.request.content.array_records[key]
+
+
+def _replace(content: RecordDict, key: str, arrays: ArrayRecord) -> RecordDict:
+    return RecordDict({**dict(content.items()), key: arrays})
+
+
+def _with_num_examples(content: RecordDict, num_examples: int) -> RecordDict:
+    metrics = content.metric_records[METRICS_KEY]
+    return RecordDict({**dict(content.items()), METRICS_KEY: MetricRecord({**dict(metrics), NUM_EXAMPLES_KEY: num_examples})})
+

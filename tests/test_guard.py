@@ -1,0 +1,243 @@
+"""The bound on every reply (core.bounds, strategies.guard) and the robust aggregations, exactly."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+
+from concatfl.core.bounds import bound_share, bounded_weight, move, reference, scale, update_norm
+from concatfl.strategies.aggregation import Aggregation
+from concatfl.strategies.common import Miss, Reply, Request, to_numpy, train_content
+from concatfl.strategies.fedconcat import distribution_problem
+from concatfl.strategies.guard import WARN_AFTER_ROUNDS, ReplyGuard
+
+
+def arrays(*weights: float, steps: int = 0) -> ArrayRecord:
+    return ArrayRecord(
+        {
+            "w": Array(np.asarray(weights, dtype=np.float32)),
+            "num_batches_tracked": Array(np.asarray(steps, dtype=np.int64)),
+        }
+    )
+
+
+def reply(node: int, sent: ArrayRecord, returned: ArrayRecord, examples: int = 10) -> Reply:
+    content = RecordDict({"arrays": returned, "metrics": MetricRecord({"num-examples": examples, "train-loss": 0.5})})
+    return Reply(Request(node, train_content(sent, {})), content, examples)
+
+
+# ------------------------------------------------------------------ pure rules
+
+
+def test_reference_is_the_lower_median():
+    assert reference([]) is None
+    assert reference([1.0, 9.0, 2.0]) == 2.0
+    assert reference([1.0, 2.0, 3.0, 10.0]) == 2.0
+    assert reference([1.0, 1e6]) == 1.0  # one honest and one outsized value: the honest one
+
+
+@pytest.mark.parametrize(
+    ("length", "ref", "clip", "step", "expected"),
+    [
+        (1.0, 1.0, 4.0, 1.0, 1.0),  # an ordinary update: taken whole
+        (4.0, 1.0, 4.0, 1.0, 1.0),  # exactly at the bound
+        (1e6, 1.0, 4.0, 1.0, 4e-6),  # ×10⁶: scaled to the bound
+        (6.0, 2.0, 1.0, 1.0, 1 / 3),
+        (3.0, 1.0, 4.0, 0.5, 0.5),  # the strategy's own step is the largest share
+        (12.0, 1.0, 4.0, 0.5, 1 / 3),  # … until the bound is tighter
+        (1e6, 1.0, 0.0, 1.0, 1.0),  # clip 0: off
+        (1e6, None, 4.0, 1.0, 1.0),  # no reference yet
+        (0.0, 1.0, 4.0, 1.0, 1.0),  # the update did not move the model
+    ],
+)
+def test_bound_share(length, ref, clip, step, expected):
+    assert bound_share(length, ref, clip, step) == pytest.approx(expected)
+
+
+def test_bounded_weight():
+    assert bounded_weight(10**12, 100.0, 4.0) == 400.0
+    assert bounded_weight(150, 100.0, 4.0) == 150
+    assert bounded_weight(10**12, 100.0, 0.0) == 10**12
+    assert bounded_weight(10**12, None, 4.0) == 10**12
+
+
+def test_move_keeps_dtypes_and_takes_counters_from_the_reply():
+    moved = move(to_numpy(arrays(0.0, 2.0, steps=3)), to_numpy(arrays(4.0, -2.0, steps=8)), 0.5)
+    np.testing.assert_array_equal(moved["w"], [2.0, 0.0])
+    assert moved["w"].dtype == np.float32 and int(moved["num_batches_tracked"]) == 8
+    with pytest.raises(ValueError, match="share"):
+        move(to_numpy(arrays(0.0)), to_numpy(arrays(1.0)), 0.0)
+
+
+def test_update_norm_and_scale_cover_floating_point_arrays_only():
+    assert update_norm(to_numpy(arrays(0.0, 0.0)), to_numpy(arrays(3.0, 4.0, steps=100))) == 5.0
+    assert update_norm(None, to_numpy(arrays(3.0, 4.0, steps=100))) == 5.0
+    scaled = scale(to_numpy(arrays(3.0, 4.0, steps=7)), 0.5)
+    np.testing.assert_array_equal(scaled["w"], [1.5, 2.0])
+    assert int(scaled["num_batches_tracked"]) == 7
+
+
+# ------------------------------------------------------------------ ReplyGuard
+
+
+def test_a_reply_times_a_million_is_scaled_to_the_bound_and_recorded():
+    guard = ReplyGuard("FedAvg", update_clip=4.0, weight_clip=4.0)
+    guard.begin_round(1)
+    sent = arrays(1.0, 1.0)
+    honest = [reply(node, sent, arrays(1.0 + node / 10, 1.0)) for node in (1, 2, 3)]  # lengths 0.1, 0.2, 0.3
+    poisoned = reply(4, sent, arrays(1e6, 1e6))
+    bounded = guard.bound([*honest, poisoned])
+    # Reference: the lower median of (0.1, 0.2, 0.3, ~1.4e6) = 0.2; bound 4 × 0.2 = 0.8.
+    assert [b.arrays for b in bounded[:3]] == [h.arrays for h in honest]  # untouched: the same objects
+    update = to_numpy(bounded[3].arrays)["w"] - 1.0
+    assert float(np.linalg.norm(update)) == pytest.approx(0.8, rel=1e-5)
+    np.testing.assert_allclose(update[0], update[1])  # in the direction the reply went
+    (event,) = guard.round_record()["clipped"]
+    assert (event["node"], event["stream"]) == (4, "model")
+    assert event["bound"] == pytest.approx(0.8) and event["factor"] == pytest.approx(0.8 / bounded[3].length)
+    assert guard.round_record()["streams"]["model"]["max_length_ratio"] > 1e6
+
+
+def test_a_reply_of_a_trillion_examples_gets_the_bounded_weight():
+    guard = ReplyGuard("FedAvg", update_clip=4.0, weight_clip=4.0)
+    guard.begin_round(1)
+    sent = arrays(0.0)
+    replies = [reply(1, sent, arrays(0.1), 100), reply(2, sent, arrays(0.1), 120), reply(3, sent, arrays(0.1), 10**12)]
+    bounded = guard.bound(replies)
+    # Reference weight: the lower median of (100, 120, 10¹²) = 120; bound 4 × 120 = 480.
+    assert [b.num_examples for b in bounded] == [100, 120, 480]
+    assert bounded[2].content["metrics"]["num-examples"] == 480  # what the metrics aggregation weighs
+    assert guard.round_record()["down-weighted"] == [
+        {"node": 3, "tag": None, "stream": "model", "factor": pytest.approx(480 / 10**12), "reported": 10**12, "weight": 480}
+    ]
+
+
+def test_with_both_clips_off_every_reply_is_taken_as_it_is():
+    guard = ReplyGuard("FedAvg", update_clip=0.0, weight_clip=0.0)
+    guard.begin_round(1)
+    sent = arrays(0.0)
+    replies = [reply(1, sent, arrays(0.1), 10), reply(2, sent, arrays(1e6), 10**12)]
+    bounded = guard.bound(replies)
+    assert [b.arrays for b in bounded] == [r.arrays for r in replies]
+    assert [b.num_examples for b in bounded] == [10, 10**12]
+    assert set(guard.round_record()) == {"streams"}
+
+
+def test_replies_that_are_updates_themselves_are_bounded_from_zero():
+    guard = ReplyGuard("Scaffold", update_clip=2.0, weight_clip=0.0)
+    deltas = [reply(n, arrays(5.0), arrays(length)) for n, length in ((1, 1.0), (2, 1.0), (3, 100.0))]
+    bounded = guard.bound(deltas, stream="model-delta", from_zero=True)
+    assert [float(to_numpy(b.arrays)["w"][0]) for b in bounded] == pytest.approx([1.0, 1.0, 2.0])
+
+
+def test_streams_keep_references_of_their_own_across_rounds():
+    guard = ReplyGuard("FedConcat", update_clip=2.0, weight_clip=0.0)
+    sent = arrays(0.0)
+    guard.bound([reply(1, sent, arrays(1.0)), reply(2, sent, arrays(1.0))])  # "model": lengths 1
+    guard.bound([reply(1, sent, arrays(100.0)), reply(2, sent, arrays(100.0))], stream="head")
+    # A later round: the head's reference is 100 (not clipped), the model's window gives 1.
+    (head,) = guard.bound([reply(3, sent, arrays(150.0))], stream="head")
+    (model,) = guard.bound([reply(3, sent, arrays(150.0))])
+    assert head.share == 1.0 and model.share == pytest.approx(2.0 / 150.0)
+
+
+def test_a_node_bounded_or_rejected_in_several_rounds_is_named_once(caplog):
+    guard = ReplyGuard("FedAvg", update_clip=2.0, weight_clip=0.0)
+    sent = arrays(0.0)
+    with caplog.at_level(logging.WARNING):
+        for server_round in range(1, WARN_AFTER_ROUNDS + 2):
+            guard.begin_round(server_round)
+            if server_round == 2:  # a rejected reply counts too
+                guard.note_rejected([Miss(Request(9, train_content(sent, {})), "rejected: non-finite values")])
+            else:
+                guard.bound([reply(1, sent, arrays(1.0)), reply(2, sent, arrays(1.0)), reply(9, sent, arrays(50.0))])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "node 9" in warnings[0] and "[1, 2, 3]" in warnings[0]
+    # Absences are not counted against a node.
+    guard.note_rejected([Miss(Request(7, train_content(sent, {})), "no reply before the round timeout")])
+    assert "7" not in guard.state_dict()["node_rounds"]
+
+
+def test_guard_state_round_trip():
+    guard = ReplyGuard("FedAvg")
+    guard.begin_round(1)
+    sent = arrays(0.0)
+    guard.bound([reply(1, sent, arrays(1.0), 10), reply(2, sent, arrays(3.0), 20)])
+    restored = ReplyGuard("FedAvg")
+    restored.load_state_dict(guard.state_dict())
+    assert restored.state_dict() == guard.state_dict()
+    for each in (guard, restored):
+        (bounded,) = each.bound([reply(3, sent, arrays(100.0), 10**6)])
+        # Reference: the lower median of the window (1, 3) and the new 100 = 3: bound 12, weight 4 × 20.
+        assert (bounded.share, bounded.num_examples) == (pytest.approx(0.12), 80)
+
+
+@pytest.mark.parametrize("clip", [-1.0, 0.5])
+def test_a_clip_below_one_is_refused(clip):
+    with pytest.raises(ValueError, match="0 \\(off\\) or >= 1"):
+        ReplyGuard("FedAvg", update_clip=clip)
+
+
+# ------------------------------------------------------------------ label distributions
+
+
+@pytest.mark.parametrize(
+    ("values", "epsilon", "problem"),
+    [
+        ([0.5, 0.5, 0.0], 0.0, None),
+        ([0.5, 0.5], 0.0, "must be a list of 3 numbers"),
+        ("0.5", 0.0, "must be a list of 3 numbers"),
+        ([0.5, float("nan"), 0.5], 0.0, "must be finite"),
+        ([1.5, -0.5, 0.0], 0.0, "has a negative entry"),
+        ([500.0, 500.0, 0.0], 0.0, "sums to 1000"),
+        ([1.5, -0.5, 0.4], 1.0, None),  # Laplace noise: negative entries and any sum are honest
+        ([1e6, 0.0, 0.0], 1.0, "strays beyond"),
+    ],
+)
+def test_distribution_problem(values, epsilon, problem):
+    found = distribution_problem(values, 3, epsilon)
+    assert found == problem if problem is None else problem in found
+
+
+# ------------------------------------------------------------------ aggregations
+
+
+def three(values: list[list[float]]) -> list[ArrayRecord]:
+    return [arrays(*v) for v in values]
+
+
+def test_median_and_trimmed_mean_by_hand():
+    models = three([[0.0, 10.0], [1.0, 20.0], [2.0, 30.0], [100.0, -1000.0], [3.0, 40.0]])
+    median = to_numpy(Aggregation("median").combine(models, [1.0] * 5))
+    np.testing.assert_array_equal(median["w"], [2.0, 20.0])
+    # β = 0.2 of five values cuts one at each end: mean of (1, 2, 3) and (10, 20, 30).
+    trimmed = to_numpy(Aggregation("trimmed-mean", trim=0.2).combine(models, [1.0] * 5))
+    np.testing.assert_allclose(trimmed["w"], [2.0, 20.0])
+
+
+def test_mean_is_the_weighted_average():
+    mean = to_numpy(Aggregation().combine(three([[0.0], [3.0]]), [2.0, 1.0]))
+    np.testing.assert_allclose(mean["w"], [1.0])
+
+
+def test_krum_picks_the_model_closest_to_its_neighbours_and_multi_krum_averages_the_best():
+    # n = 5, f = 1: each model's score sums the squared distances to its n − f − 2 = 2 nearest:
+    # 0.05, 0.02, 0.05, 0.13 and (far) the outlier's.
+    models = three([[0.0], [0.1], [0.2], [0.4], [50.0]])
+    krum = to_numpy(Aggregation("krum", byzantine=1).combine(models, [1.0] * 5))
+    np.testing.assert_allclose(krum["w"], [0.1])
+    multi = to_numpy(Aggregation("multi-krum", byzantine=1).combine(models, [1.0, 1.0, 2.0, 1.0, 1.0]))
+    np.testing.assert_allclose(multi["w"], [(0.0 + 0.1 + 2 * 0.2 + 0.4) / 5], rtol=1e-6)  # the outlier left out
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"method": "mode"}, "aggregation must be one of"), ({"method": "trimmed-mean", "trim": 0.5}, "trim"),
+     ({"method": "krum", "byzantine": -1}, "byzantine")],
+)
+def test_bad_aggregations_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Aggregation(**kwargs)
