@@ -28,7 +28,8 @@ malformed (a server must reject them): ``nan``, ``inf`` (in the first floating-p
 
 poisoned (well-formed; a server can only bound them): ``scaled`` (every weight × 10⁶),
 ``huge-examples`` (num-examples 10¹²), ``sign-flip`` (the update reversed: what was sent minus
-the client's update), ``label-lie`` (a one-hot distribution on a random class).
+the client's update; −update for a reply that is an update itself, such as concatfl's SCAFFOLD
+reply with its ``"control"`` record), ``label-lie`` (a one-hot distribution on a random class).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ SHARE_KEY, KINDS_KEY, SEED_KEY, LOG_KEY = "fuzz-share", "fuzz-kinds", "fuzz-seed
 STATE_KEY = "fuzz"
 LABELS_MESSAGE_TYPE = "query.fedconcat_labels"  # concatfl.protocol's, repeated: this module stands alone
 LABEL_DISTRIBUTION = "label-distribution"
+CONTROL_KEY = "control"  # concatfl.objectives' SCAFFOLD record
 
 TRAIN_MALFORMED = (
     "nan", "inf", "wrong-shape", "missing-arrays", "extra-array", "negative-examples", "zero-examples",
@@ -118,11 +120,16 @@ def corrupt(message: Message, content: RecordDict, kind: str, rng: np.random.Gen
         return RecordDict(records)
     arrays = {key: array.numpy() for key, array in records["arrays"].items()}
     sent = message.content.array_records.get("arrays")
-    records["arrays"] = ArrayRecord({k: Array(np.asarray(v, order="C")) for k, v in _corrupt_arrays(arrays, sent, kind).items()})
+    # A reply that carries SCAFFOLD's control-variate delta sends an update, not a model.
+    is_update = CONTROL_KEY in content.array_records
+    corrupted = _corrupt_arrays(arrays, sent, kind, is_update)
+    records["arrays"] = ArrayRecord({k: Array(np.asarray(v, order="C")) for k, v in corrupted.items()})
     return RecordDict(records)
 
 
-def _corrupt_arrays(arrays: dict[str, np.ndarray], sent: ArrayRecord | None, kind: str) -> dict[str, np.ndarray]:
+def _corrupt_arrays(
+    arrays: dict[str, np.ndarray], sent: ArrayRecord | None, kind: str, is_update: bool
+) -> dict[str, np.ndarray]:
     floats = [key for key, value in arrays.items() if np.issubdtype(value.dtype, np.floating)]
     if kind in ("nan", "inf"):
         first = arrays[floats[0]].copy()
@@ -137,11 +144,12 @@ def _corrupt_arrays(arrays: dict[str, np.ndarray], sent: ArrayRecord | None, kin
     if kind == "float64":
         return {key: value.astype(np.float64) if key in floats else value for key, value in arrays.items()}
     if kind == "int64":
-        return {key: value.astype(np.int64) for key, value in arrays.items()}
+        with np.errstate(invalid="ignore"):  # a model already wrecked (NaN) casts to anything
+            return {key: value.astype(np.int64) for key, value in arrays.items()}
     if kind == "scaled":
         return {key: (value * SCALE).astype(value.dtype) if key in floats else value for key, value in arrays.items()}
     # sign-flip: sent − (returned − sent), where the reply matches what was sent (else −returned)
-    before = {key: array.numpy() for key, array in sent.items()} if sent is not None else {}
+    before = {key: array.numpy() for key, array in sent.items()} if sent is not None and not is_update else {}
     flipped = {}
     for key, value in arrays.items():
         if key not in floats:
@@ -193,5 +201,6 @@ def _report(message: Message, context: Context, kind: str) -> None:
         entry["node_id"], entry["message_type"], entry["server_round"], kind)
     path = str(_setting(context, LOG_KEY, ""))
     if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         with Path(path).open("a", encoding="utf-8") as handle:  # one short line per write: appends do not interleave
             handle.write(json.dumps(entry) + "\n")

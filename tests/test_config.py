@@ -100,6 +100,14 @@ INVALID = [
     ({"download": "yes"}, "download"),
     ({"download": 1}, "download"),
     ({"seed": True}, "seed"),
+    ({"update-clip": 0.5}, "update-clip"),
+    ({"weight-clip": -1.0}, "weight-clip"),
+    ({"aggregation": "mode"}, "aggregation"),
+    ({"aggregation": "median", "strategy": "fedcat"}, "aggregation"),
+    ({"aggregation-trim": 0.5}, "aggregation-trim"),
+    ({"aggregation-byzantine": -1}, "aggregation-byzantine"),
+    ({"fuzz-share": 1.5}, "fuzz-share"),
+    ({"fuzz-kinds": "nan,bogus"}, "fuzz-kinds"),
 ]
 
 

@@ -197,13 +197,18 @@ def test_true_label_counts_are_queried_only_when_asked():
     assert all(m.metadata.message_type == "train" for hop in grid.hops for m in hop)
 
 
-def test_a_node_missing_at_pretraining_is_left_out():
-    clients = clients_for(8)
+def test_a_node_missing_at_pretraining_joins_the_smallest_superclient():
+    clients = clients_for(9)
     grid = FakeGrid({**clients, 3: lambda message: None})
     fedseq = strategy()
     fedseq.setup(grid, initial_arrays(), ConfigRecord())
     assert fedseq.setup_record["left_out"] == [3]
-    assert sorted(n for nodes in fedseq.superclients.values() for n in nodes) == [1, 2, 4, 5, 6, 7, 8]
+    # Its data still trains: it joins the superclient that held the fewest samples, counted as a median client.
+    (sid,) = fedseq.setup_record["placed_unapproximated"].values()
+    samples = {s: sum(clients[n].num_examples for n in members if n != 3) for s, members in fedseq.superclients.items()}
+    assert samples[sid] == min(samples.values()) and 3 in fedseq.superclients[sid]
+    assert fedseq.client_samples[3] == 10
+    assert sorted(n for nodes in fedseq.superclients.values() for n in nodes) == list(range(1, 10))
 
 
 def test_clf_approximator_reduces_the_fc_weights_with_pca():

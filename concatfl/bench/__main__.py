@@ -16,11 +16,15 @@ from typing import Any
 
 from ..data.datasets import DATASETS
 from ..launch import exit_on_sigterm, parse_overrides
-from . import overhead, stability
+from . import overhead, robustness, stability
 from .inprocess import simulate_in_process
 from .report import write_report
 from .runner import BenchError, cell_config, run_suite, select_cells, simulate_with_flower
 from .suites import BLUEPRINTS, SCALES, SUITE_NAMES, Suite, get_suite
+
+
+# Suites built in code of their own (one scale each), by name.
+OWN_SUITES = {**stability.SUITES, robustness.SUITE: robustness.suite}
 
 
 def parse_data_dirs(values: list[str]) -> dict[str, Path]:
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m concatfl.bench", description=__doc__)
     parser.add_argument(
         "suite",
-        choices=(*SUITE_NAMES, *stability.SUITES, overhead.SUITE),
+        choices=(*SUITE_NAMES, *OWN_SUITES, overhead.SUITE),
         help=f"{overhead.SUITE} comes first, before its own options",
     )
     parser.add_argument(
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == overhead.SUITE:
         parser.error(f"put {overhead.SUITE} first: python -m concatfl.bench {overhead.SUITE} [options]")
     try:
-        suite = stability.SUITES[args.suite]() if args.suite in stability.SUITES else get_suite(args.suite, args.scale)
+        suite = OWN_SUITES[args.suite]() if args.suite in OWN_SUITES else get_suite(args.suite, args.scale)
     except ValueError as error:
         parser.error(str(error))
     seeds = [int(seed) for seed in args.seeds.split(",")]

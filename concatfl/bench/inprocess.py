@@ -1,17 +1,23 @@
-"""Run a benchmark cell in one process: concatfl's ServerApp against concatfl's ClientApp.
+"""Run a benchmark cell in one process: an app's ServerApp against its ClientApp.
 
 For studies of the algorithms themselves (many small runs), where a Flower simulation's start-up
-(SuperLink, Ray: ~30 s a run) would cost more than the training. The ServerApp's `main` runs
-unchanged over `InProcessGrid`, which hands every Flower `Message` to the ClientApp of its
-destination node (each node with its own `Context`: node config and persistent state) and
-returns its reply, as a simulation does, minus the transport. Accuracy, bytes and records are
-those of a `flwr run` simulation of the same run config; wall times exclude Flower's messaging.
+(SuperLink, Ray: ~30 s a run) would cost more than the training. The ServerApp runs unchanged
+over `InProcessGrid`, which hands every Flower `Message` to the ClientApp of its destination node
+(each node with its own `Context`: node config and persistent state; the ClientApp's mods
+included) and returns its reply, as a simulation does, minus the transport. Accuracy, bytes and
+records are those of a `flwr run` simulation of the same run config; wall times exclude Flower's
+messaging. The app is concatfl's own, or any Flower app folder whose ServerApp writes concatfl's
+metrics.json (tests/apps/quickstart does), loaded as `flwr run` loads it: its pyproject.toml's
+components and run-config defaults.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import sys
 import time
+import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +25,14 @@ from typing import Any
 
 import torch
 from flwr.app import Context, Message, RecordDict
-from flwr.serverapp import Grid
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.task_identity import TaskIdentity
 
-from ..client_app import app as client_app
 from ..config import RunConfig
 from ..metrics import read_metrics
-from ..server_app import main as server_main
+
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 
 
 
@@ -100,8 +107,41 @@ class InProcessGrid(Grid):
         return answers
 
 
-def client_node(run_config: dict[str, Any], partition_id: int, num_partitions: int) -> Handler:
-    """concatfl's ClientApp as the node holding partition `partition_id`, with its own state."""
+@dataclass(frozen=True)
+class App:
+    """A Flower app as `flwr run` sees it: its ServerApp, ClientApp and run-config defaults."""
+
+    server: ServerApp
+    client: ClientApp
+    defaults: dict[str, Any]
+
+    @classmethod
+    def load(cls, app_dir: Path = PROJECT_DIR) -> App:
+        """Import the components named in `app_dir`/pyproject.toml (the folder joins sys.path)."""
+        with (Path(app_dir) / "pyproject.toml").open("rb") as handle:
+            flwr_app = tomllib.load(handle)["tool"]["flwr"]["app"]
+        if str(app_dir) not in sys.path:
+            sys.path.insert(0, str(app_dir))
+
+        def component(kind: str) -> Any:
+            module, _, attribute = flwr_app["components"][kind].partition(":")
+            return getattr(importlib.import_module(module), attribute)
+
+        return cls(component("serverapp"), component("clientapp"), dict(flwr_app.get("config", {})))
+
+    def run_config(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """The defaults with `overrides`, which must name declared keys (as `flwr run` requires)."""
+        unknown = sorted(set(overrides) - set(self.defaults))
+        if unknown:
+            raise ValueError(f"run-config keys {unknown} are not declared by the app; declared: {sorted(self.defaults)}")
+        return {**self.defaults, **overrides}
+
+
+def client_node(
+    run_config: dict[str, Any], partition_id: int, num_partitions: int, client_app: ClientApp | None = None
+) -> Handler:
+    """The ClientApp (concatfl's by default) as the node holding partition `partition_id`, with its own state."""
+    client_app = client_app or App.load().client
     context = Context(
         run_id=1,
         node_id=FIRST_NODE_ID + partition_id,
@@ -113,13 +153,24 @@ def client_node(run_config: dict[str, Any], partition_id: int, num_partitions: i
 
 
 def simulate_in_process(
-    run_config: Mapping[str, Any], num_supernodes: int, workdir: Path, *, torch_threads: int = 1
+    run_config: Mapping[str, Any],
+    num_supernodes: int,
+    workdir: Path,
+    *,
+    torch_threads: int = 1,
+    app_dir: Path = PROJECT_DIR,
 ) -> dict[str, Any]:
-    """Run one cell (`run_config` over the run config's defaults) with `num_supernodes` clients;
+    """Run one cell (`run_config` over the app's defaults) with `num_supernodes` clients;
     metrics.json goes to `<workdir>/output` and is returned. `torch_threads`: the threads that
-    train every client (1 by default; the machine's cores when nothing else runs)."""
-    config = RunConfig.from_mapping({**run_config, "output-dir": str(Path(workdir) / "output")}).as_dict()
-    grid = InProcessGrid({FIRST_NODE_ID + i: client_node(config, i, num_supernodes) for i in range(num_supernodes)})
+    train every client (1 by default; the machine's cores when nothing else runs). `app_dir`:
+    the Flower app (concatfl's own by default)."""
+    app = App.load(app_dir)
+    config = app.run_config({**run_config, "output-dir": str(Path(workdir) / "output")})
+    if Path(app_dir).resolve() == PROJECT_DIR:
+        config = RunConfig.from_mapping(config).as_dict()  # concatfl's keys, checked and typed
+    grid = InProcessGrid(
+        {FIRST_NODE_ID + i: client_node(config, i, num_supernodes, app.client) for i in range(num_supernodes)}
+    )
     # One process trains every client: one torch thread by default avoids oversubscribing the
     # cores (two threads on a busy 2-core machine made training many times slower). The caller's
     # setting is restored afterwards.
@@ -131,7 +182,7 @@ def simulate_in_process(
     level = flower_log.level
     flower_log.setLevel(logging.WARNING)  # the harness prints one line per run; warnings still show
     try:
-        server_main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config))
+        app.server(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config))
     finally:
         flower_log.setLevel(level)
         torch.set_num_threads(threads)

@@ -8,6 +8,7 @@ recorded run config must match the cell's, so results of another scale are never
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,7 +23,9 @@ from .report import write_report
 from .suites import Cell, Suite, slug
 
 DATA_CACHE = "data"  # under --out: the subsamples of the scaled-down suites
-Simulate = Callable[[dict[str, Any], int, Path], dict[str, Any]]  # (run config, clients, workdir) → metrics
+PATH_KEYS = ("data-dir", "fuzz-log")  # folders and files: the same run may have them elsewhere
+# (run config, clients, workdir, app_dir=…) → metrics; app_dir is passed only for a cell of another app
+Simulate = Callable[..., dict[str, Any]]
 
 
 class BenchError(RuntimeError):
@@ -32,7 +35,7 @@ class BenchError(RuntimeError):
 def simulate_with_flower(timeout: float = 6 * 3600, cpus_per_client: int = 1, gpus_per_client: float = 0.0) -> Simulate:
     """Run a cell as a real `flwr run` simulation with these per-run limits and client resources."""
 
-    def simulate(run_config: dict[str, Any], num_supernodes: int, workdir: Path) -> dict[str, Any]:
+    def simulate(run_config: dict[str, Any], num_supernodes: int, workdir: Path, **app: Path) -> dict[str, Any]:
         return run_simulation(
             run_config,
             num_supernodes,
@@ -40,6 +43,7 @@ def simulate_with_flower(timeout: float = 6 * 3600, cpus_per_client: int = 1, gp
             timeout=timeout,
             cpus_per_client=cpus_per_client,
             gpus_per_client=gpus_per_client,
+            **app,
         )
 
     return simulate
@@ -86,11 +90,18 @@ def prepare_data(suite: Suite, cells: Sequence[Cell], data_dirs: Mapping[str, Pa
 
 
 def cell_config(
-    cell: Cell, seed: int, data: Mapping[str, Path], overrides: Mapping[str, Any] | None = None
+    cell: Cell,
+    seed: int,
+    data: Mapping[str, Path],
+    overrides: Mapping[str, Any] | None = None,
+    workdir: Path | None = None,
 ) -> dict[str, Any]:
     """The run config of one seed of a cell (`data-dir` set for real datasets), with `overrides`
-    (the command line's --set) on top."""
+    (the command line's --set) on top and ``{workdir}`` in string values replaced by `workdir`."""
     config = {**cell.run_config, **(overrides or {}), "seed": seed}
+    if workdir is not None:
+        folder = str(workdir.resolve())
+        config = {k: v.replace("{workdir}", folder) if isinstance(v, str) else v for k, v in config.items()}
     if cell.dataset in data:
         config["data-dir"] = str(data[cell.dataset])
     return config
@@ -99,12 +110,12 @@ def cell_config(
 def is_finished(workdir: Path, config: Mapping[str, Any]) -> bool:
     """Whether the run in `workdir` finished with `config`; raises BenchError if it used another.
 
-    `data-dir` is not compared: the same data may live elsewhere on another machine.
+    Paths (`PATH_KEYS`) are not compared: the same data may live elsewhere on another machine.
     """
     if not (workdir / "output" / METRICS_FILE).exists():
         return False
     recorded = read_metrics(workdir / "output")["run_config"]
-    differing = {k: (recorded.get(k), v) for k, v in config.items() if k != "data-dir" and recorded.get(k) != v}
+    differing = {k: (recorded.get(k), v) for k, v in config.items() if k not in PATH_KEYS and recorded.get(k) != v}
     if differing:
         details = ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in differing.items())
         raise BenchError(
@@ -138,7 +149,7 @@ def run_suite(
     cells = select_cells(suite, methods, settings)
     data = prepare_data(suite, cells, data_dirs or {}, out)
     jobs = [
-        (cell, seed, cell.workdir(suite_dir, seed), cell_config(cell, seed, data, overrides))
+        (cell, seed, cell.workdir(suite_dir, seed), cell_config(cell, seed, data, overrides, cell.workdir(suite_dir, seed)))
         for cell in cells
         for seed in seeds
     ]
@@ -153,8 +164,10 @@ def run_suite(
             log(f"[{done}/{len(jobs)}] {name}: done earlier")
             continue
         started = time.perf_counter()
+        shutil.rmtree(workdir, ignore_errors=True)  # what an earlier, unfinished try left
         try:
-            metrics = simulate(config, cell.num_supernodes, workdir)
+            app = {} if cell.app_dir is None else {"app_dir": cell.app_dir}
+            metrics = simulate(config, cell.num_supernodes, workdir, **app)
         except SimulationError as error:
             failures.append(f"{name}: {str(error).splitlines()[0]}")
             log(f"[{done}/{len(jobs)}] {name}: FAILED ({error}); see {workdir}")

@@ -56,12 +56,18 @@ class Setting:
 
 @dataclass(frozen=True)
 class Cell:
-    """One (setting, method) of a suite: the run config of each of its seeds, minus the seed."""
+    """One (setting, method) of a suite: the run config of each of its seeds, minus the seed.
+
+    `app_dir` is the Flower app the cell runs (None: concatfl's own). A string value of the run
+    config may hold ``{workdir}``, replaced by the run's folder (a file the run writes beside
+    its outputs, e.g. the fuzzing mod's log).
+    """
 
     setting: Setting
     method: str
     num_supernodes: int
     run_config: Mapping[str, Any]
+    app_dir: Path | None = None
 
     @property
     def dataset(self) -> str:
@@ -112,7 +118,6 @@ class Suite:
         return next((c for c in self.cells if c.setting == setting and c.method == method), None)
 
 
-# The papers' algorithms exactly: FedCat and FedSeq take every reply as it is (no damped or bounded hops).
 # The papers' sequential algorithms: every reply taken as it is (no damped step, no bound).
 PAPER_EXACT = {
     "fedcat-hop-step": 1.0,

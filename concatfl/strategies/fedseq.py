@@ -79,7 +79,10 @@ class FedSeq(RelayStrategy):
     (no reply, error, invalid reply) is skipped: the model it was given goes on to the next
     client. A node that left the grid is dropped from its superclient before the next round
     (a superclient left empty disappears) and rejoins it in the first round it is connected
-    again. Clients that join after stage 1 are not used.
+    again. A client whose pre-training reply is missing or rejected has no approximation: it
+    joins the superclient with the fewest samples (its size counted as the median client's), so
+    its data still trains the model (recorded as ``placed_unapproximated``).
+    Clients that join after stage 1 are not used.
 
     Parameters
     ----------
@@ -287,6 +290,7 @@ class FedSeq(RelayStrategy):
         reported_epochs, differing_epochs = self._reported_pretrain_epochs(replies)
         self.client_samples = dict(zip(node_ids, sizes))
         self.plan = {sid: [node_ids[c] for c in group] for sid, group in enumerate(groups)}
+        unapproximated = self._place_unapproximated(sorted(miss.request.node_id for miss in pretraining.misses))
         self.superclients = {sid: list(members) for sid, members in self.plan.items()}
         hops = [pretraining]
         report = self._grouping_report(groups, node_ids, sizes, vectors)
@@ -301,6 +305,7 @@ class FedSeq(RelayStrategy):
             "seconds": round(sum(hop.seconds for hop in hops), 4),
             "clients": len(node_ids),
             "left_out": sorted(miss.request.node_id for miss in pretraining.misses),
+            "placed_unapproximated": unapproximated,
             "pretrain_epochs": self.pretrain_epochs,
             "pretrain_epochs_reported": reported_epochs,
             "pretrain_epochs_differ": differing_epochs,
@@ -314,6 +319,21 @@ class FedSeq(RelayStrategy):
             **report,
         }
         _log_report(self.setup_record)
+
+    def _place_unapproximated(self, nodes: list[int]) -> dict[str, int]:
+        """Put each node without a pre-trained model into the superclient with the fewest samples
+        (its own count taken as the median client's); returns node → superclient."""
+        typical = int(np.median(list(self.client_samples.values())))
+        placed = {}
+        for node in nodes:
+            smallest = min(self.plan, key=lambda sid: (sum(self.client_samples[n] for n in self.plan[sid]), sid))
+            self.plan[smallest].append(node)
+            self.client_samples[node] = typical
+            placed[str(node)] = smallest
+        if placed:
+            log(WARNING, "FedSeq: nodes %s gave no usable pre-trained model; they join the smallest superclients "
+                "(node: superclient) %s without an approximation", nodes, placed)
+        return placed
 
     def _reported_pretrain_epochs(self, replies: list[Reply]) -> tuple[dict[int, float], list[int]]:
         """Node -> the epochs it says it pre-trained (``metrics["local-epochs"]``, optional), and

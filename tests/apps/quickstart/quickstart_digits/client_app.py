@@ -6,13 +6,14 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from concatfl.fedconcat_client import handle_features, handle_head_training, handle_label_query
+from concatfl.fuzz import fuzz_mod
 from concatfl.protocol import FEATURES_ACTION, HEAD_ACTION, LABELS_ACTION
 from concatfl.runtime import ClientData
 
 from .task import NUM_CLASSES, Net, load_data
 from .task import train as train_fn
 
-app = ClientApp()
+app = ClientApp(mods=[fuzz_mod])  # off unless fuzz-share > 0: bad replies on demand, for the server's tests
 
 
 def local_data(context: Context):

@@ -1,17 +1,19 @@
-"""The ServerApp: concatfl's FedConcat (or FedConcat-ID) on `Net`, whose head is `fc3`, or FedCat
-or FedSeq with their default arguments; evaluated centrally."""
+"""The ServerApp: concatfl's FedAvg, FedCat, FedSeq (default arguments, or those the run config
+sets) or FedConcat / FedConcat-ID on `Net`, whose head is `fc3`; evaluated centrally, results
+written as concatfl's metrics.json."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import time
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
 
-from concatfl.strategies import FedCat, FedConcat, FedSeq
+from concatfl.metrics import summarize, write_metrics
+from concatfl.strategies import FedAvg, FedCat, FedConcat, FedSeq
+from concatfl.strategies.aggregation import Aggregation
 from concatfl.strategies.base import RelayStrategy
 
 from .task import NUM_CLASSES, NUM_FEATURES, Net, load_test_data, test
@@ -21,15 +23,18 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    started = time.perf_counter()
     strategy, result = run(grid, context)
-    accuracies = {
-        int(server_round): float(metrics["accuracy"])
-        for server_round, metrics in result.evaluate_metrics_serverapp.items()
-    }
-    output = Path(str(context.run_config["output-dir"]))
-    output.mkdir(parents=True, exist_ok=True)
-    summary = {"accuracy": accuracies, "setup": strategy.setup_record, "rounds": strategy.history}
-    (output / "metrics.json").write_text(json.dumps(summary, default=str))
+    document = summarize(
+        dict(context.run_config),
+        str(context.run_config["variant"]),
+        len(list(grid.get_node_ids())),
+        strategy.setup_record,
+        dict(result.evaluate_metrics_serverapp[0]),
+        strategy.history,
+        time.perf_counter() - started,
+    )
+    write_metrics(str(context.run_config["output-dir"]), document)
 
 
 def run(grid: Grid, context: Context) -> tuple[RelayStrategy, Result]:
@@ -42,7 +47,7 @@ def run(grid: Grid, context: Context) -> tuple[RelayStrategy, Result]:
         loss, accuracy = test(strategy.global_module(arrays, Net), x_test, y_test)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    torch.manual_seed(0)
+    torch.manual_seed(int(config["seed"]))
     result = strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(Net().state_dict()),
@@ -54,12 +59,22 @@ def run(grid: Grid, context: Context) -> tuple[RelayStrategy, Result]:
 
 
 def build(config, x_test: torch.Tensor, y_test: torch.Tensor) -> RelayStrategy:
-    """The concatfl strategy the run config's `variant` names."""
+    """The concatfl strategy the run config's `variant` names, with its bounds and aggregation."""
     variant = config["variant"]
+    guard = {
+        "seed": int(config["seed"]),
+        "update_clip": float(config["update-clip"]),
+        "weight_clip": float(config["weight-clip"]),
+    }
+    aggregation = Aggregation(
+        str(config["aggregation"]), float(config["aggregation-trim"]), int(config["aggregation-byzantine"])
+    )
+    if variant == "fedavg":
+        return FedAvg(aggregation=aggregation, **guard)
     if variant == "fedcat":
-        return FedCat()
+        return FedCat(**guard)
     if variant == "fedseq":
-        return FedSeq(Net, NUM_CLASSES, exemplar_pool=(x_test, y_test))
+        return FedSeq(Net, NUM_CLASSES, exemplar_pool=(x_test, y_test), **guard)
     return FedConcat(
         label_inference=variant == "fedconcat-id",
         head="fc3",
@@ -68,7 +83,8 @@ def build(config, x_test: torch.Tensor, y_test: torch.Tensor) -> RelayStrategy:
         classifier_rounds=int(config["classifier-rounds"]),
         classifier_steps=int(config["classifier-steps"]),
         id_samples=2000,
+        aggregation=aggregation,
         make_model=Net,
         input_shape=(NUM_FEATURES,),
-        seed=0,
+        **guard,
     )
