@@ -83,7 +83,7 @@ class RunConfig:
     fedcat_epsilon: float = 0.5
     fedcat_selection: str = "grouped-count"
     fedcat_concat: bool = True
-    fedcat_hop_step: float = 0.5
+    fedcat_hop_step: str = "0.5"
     fedcat_hop_clip: float = 1.5
     fedseq_pretrain_epochs: int = 10
     fedseq_approximator: str = "conf"
@@ -96,7 +96,7 @@ class RunConfig:
     fedseq_min_samples: int = 800
     fedseq_max_clients: int = 11
     fedseq_superclient_epochs: int = 1
-    fedseq_hop_step: float = 0.5
+    fedseq_hop_step: str = "0.5"
     fedseq_hop_clip: float = 1.5
     fedconcat_clusters: str = "5"
     fedconcat_balanced: bool = False
@@ -182,8 +182,8 @@ class RunConfig:
             raise ConfigError("fedcat-k must be 0 (auto: round(fraction-train x N), at least 2) or >= 2")
         _at_least("fedcat-lambda", self.fedcat_lambda, 1)
         _open_interval("fedcat-epsilon", self.fedcat_epsilon, 0.0, 1.0, closed_low=True, closed_high=True)
-        _open_interval("fedcat-hop-step", self.fedcat_hop_step, 0.0, 1.0, closed_high=True)
-        _open_interval("fedseq-hop-step", self.fedseq_hop_step, 0.0, 1.0, closed_high=True)
+        for strategy in ("fedcat", "fedseq"):
+            _hop_step(f"{strategy}-hop-step", getattr(self, f"{strategy}_hop_step"))
         _at_least("fedcat-hop-clip", self.fedcat_hop_clip, 0.0)
         _at_least("fedseq-hop-clip", self.fedseq_hop_clip, 0.0)
         _at_least("fedseq-pretrain-epochs", self.fedseq_pretrain_epochs, 1)
@@ -299,6 +299,21 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
     elif kind == "str":
         return str(value)
     raise ConfigError(f"run-config key '{key}' must be a {kind}, got {value!r}")
+
+
+def parse_hop_step(value: str) -> float | str:
+    """A validated `…-hop-step` value as a strategy takes it: 'auto' or a number."""
+    return value if value == "auto" else float(value)
+
+
+def _hop_step(key: str, value: str) -> None:
+    if value == "auto":
+        return
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"run-config key '{key}' must be 'auto' or a number in (0, 1], got {value!r}") from None
+    _open_interval(key, number, 0.0, 1.0, closed_high=True)
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -249,7 +249,7 @@ def test_the_header_lists_every_change_from_the_paper_scale():
     methods = ("FedAvg", "FedCat", default, "Centralized")
     assert cifar10 == [(f"CIFAR-10 Dir({a})", m) for a in ("0.1", "1.0") for m in methods]
     hops = small.cell(small.settings[0], default).run_config
-    assert (hops["strategy"], hops["fedcat-hop-step"], hops["fedcat-hop-clip"]) == ("fedcat", 0.5, 1.5)
+    assert (hops["strategy"], hops["fedcat-hop-step"], hops["fedcat-hop-clip"]) == ("fedcat", "0.5", 1.5)
     assert small.cell(small.settings[0], "FedCat").run_config["fedcat-hop-clip"] == 0.0
     concat_paper = get_suite("fedconcat", "paper")
     assert [s.name for s in concat_paper.settings][:4] == ["fmnist-c2", "fmnist-c3", "fmnist-dir0.1", "fmnist-dir0.5"]

@@ -9,7 +9,7 @@ import pytest
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from concatfl.core.bounds import REFERENCE_WINDOW
-from concatfl.core.sequential import STALL_AGGREGATIONS, diverged, divergence
+from concatfl.core.sequential import STALL_AGGREGATIONS, adapt_step, diverged, divergence
 from concatfl.strategies.common import Reply, Request, to_numpy, to_record, train_content
 from concatfl.strategies.guard import ReplyGuard
 from concatfl.strategies.sequential import ChainGuard
@@ -140,6 +140,7 @@ def test_guard_check_records_divergence_and_warns_once(caplog):
         "spread": 1.0,
         "ratio": 1.0,
         "hop_length_ratio": 4.0,
+        "own_hop_ratio": 4.0,  # the later hop against the same node's first hop
         "hop_steps": {"min": 1.0, "mean": 1.0},
         "part_accuracy": [0.5, 0.5],
         "average_accuracy": 0.1,
@@ -185,3 +186,48 @@ def test_guard_state_round_trip_bounds_the_next_hop_identically():
 def test_guard_refuses_bad_parameters(hop_step, hop_clip):
     with pytest.raises(ValueError, match="hop_"):
         ChainGuard("FedCat", ReplyGuard("FedCat"), hop_step, hop_clip, ("a", "b"))
+
+
+# ------------------------------------------------------------------ the adaptive step
+
+
+@pytest.mark.parametrize(
+    ("step", "hop_ratio", "expected"),
+    [
+        (0.5, 1.3, 0.5),  # later hops at the target (1.3 first hops): η stays
+        (0.5, 2.6, 0.25),  # twice the target: η halves
+        (1.0, 2.6, 0.5),
+        (0.2, 5.2, 0.125),  # … at least 1/8
+        (0.5, 1.0, 0.65),  # shorter: η × 1.3
+        (0.9, 0.5, 1.0),  # … at most 1
+    ],
+)
+def test_adapt_step(step, hop_ratio, expected):
+    assert adapt_step(step, hop_ratio) == pytest.approx(expected)
+
+
+def test_the_auto_step_follows_the_later_hops_length_with_or_without_server_data():
+    def steps(evaluate) -> list[tuple[float, float]]:
+        guard = ChainGuard("FedCat", ReplyGuard("FedCat", 0.0, 0.0), "auto", 0.0, ("a", "b"))
+        start, rules = record([0.0]), []
+        for later in (2.6, 2.6, 0.5):  # a first hop of length 1, then the same node's later hop of this length
+            first = fold(guard, start, record([1.0]), True)
+            fold(guard, first, record([float(to_numpy(first)["w"][0]) + later]), False)
+            rules.append(guard.check(start, [first], [1.0], first, evaluate)["hop_rule"])
+        return [(r["step"], r["next_step"]) for r in rules]
+
+    def evaluate(arrays: ArrayRecord) -> MetricRecord:
+        return MetricRecord({"accuracy": 0.5})
+
+    # The ratio is the median over the recent later hops: 2.6, then 2.6, then (2.6, 2.6, 0.5) → 2.6.
+    assert steps(None) == steps(evaluate) == [(0.5, 0.25), (0.25, 0.125), (0.125, 0.125)]
+
+
+def test_the_auto_step_is_the_share_hops_are_given_and_survives_a_restart():
+    guard = ChainGuard("FedSeq", ReplyGuard("FedSeq", 0.0, 0.0), "auto", 0.0, ("a", "b"))
+    start = record([0.0])
+    np.testing.assert_allclose(to_numpy(fold(guard, start, record([1.0]), True))["w"], [0.5])  # η starts at 0.5
+    guard.step = 0.3
+    restored = ChainGuard("FedSeq", ReplyGuard("FedSeq", 0.0, 0.0), "auto", 0.0, ("a", "b"))
+    restored.load_state_dict(guard.state_dict())
+    np.testing.assert_allclose(to_numpy(fold(restored, start, record([1.0]), True))["w"], [0.3])

@@ -115,7 +115,12 @@ def is_finished(workdir: Path, config: Mapping[str, Any]) -> bool:
     if not (workdir / "output" / METRICS_FILE).exists():
         return False
     recorded = read_metrics(workdir / "output")["run_config"]
-    differing = {k: (recorded.get(k), v) for k, v in config.items() if k not in PATH_KEYS and recorded.get(k) != v}
+    # A value the run config stores as text (a hop step of 1.0 is recorded as "1.0") matches its text.
+    differing = {
+        k: (recorded.get(k), v)
+        for k, v in config.items()
+        if k not in PATH_KEYS and recorded.get(k) != v and str(recorded.get(k)) != str(v)
+    }
     if differing:
         details = ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in differing.items())
         raise BenchError(

@@ -1,14 +1,19 @@
-"""The `sequential-stability` suite: where the papers' sequential algorithms collapse, and why.
+"""The `sequential-stability` suite: where the papers' sequential algorithms collapse, and what
+concatfl's hop rules change.
 
-FedAvg, FedCat (the paper's algorithm, its "w/ GC" ablation, and with concatfl's bounded and
-damped hops) and FedSeq (the paper's algorithm, bounded and damped hops) at equal rounds on digits,
-over a grid of the quantities that decide whether a chain of label-skewed clients keeps what
-it learned:
+FedAvg (with FedCat's K devices per round: equal participation; and with every node), FedCat and
+FedSeq (the paper's algorithm; the fixed damped step η = 0.5 with the hop bound; the adaptive
+step `hop_step='auto'`, which reads no server data) at equal rounds on digits, over a grid of the
+quantities that decide whether a chain of label-skewed clients keeps what it learned:
 
 * the local step: lr and momentum (an effective step lr/(1 − momentum)) and local epochs;
 * the label skew: two classes per client (#C=2) or Dirichlet α = 0.1;
-* the chain length: K = 4 devices per round for FedCat of 10 clients, or K = 8 of 20; FedSeq's
-  superclients of about 5 or 8 clients.
+* the chain length and federation size: K = 4 devices per round for FedCat of 10 clients, K = 8
+  of 20, K = 6 of 30; FedSeq's superclients of about 5 or 8 clients;
+* the client: concatfl's ClientApp (an MLP of 2×200), or the user-style app of
+  tests/apps/quickstart (its own 64-64-32 network, SGD momentum 0.9, batch 16, one epoch, at lr
+  0.01 / 0.05 / 0.1) with its strategies' defaults (FedCat: K = 2 of 10; FedSeq: every
+  superclient each round).
 
 Besides accuracy, each cell reports the measurements that explain it, from the strategies'
 `divergence` records: how much longer later hops were than first hops (`hop_length_ratio`),
@@ -30,7 +35,8 @@ from matplotlib.figure import Figure
 
 from .columns import FINAL_ACCURACY, TOTAL_MEGABYTES, WALL_SECONDS, Column, Metrics
 from .data import Subsample
-from .suites import DEFAULT_FEDCAT_LABEL, PAPER_EXACT, Cell, Setting, Suite
+from .inprocess import PROJECT_DIR
+from .suites import PAPER_EXACT, Cell, Setting, Suite
 
 SUITE = "sequential-stability"
 MNIST_SUITE = "sequential-stability-mnist"
@@ -82,20 +88,55 @@ SETTINGS = [
              partition="dirichlet", alpha=0.1, lr=0.05, momentum=0.9, **{"local-epochs": 1}),
     _setting("chain8-lr0.05-m0.9-e1", f"#C=2, 20 clients, K=8 / superclients of ~8, {_label(0.05, 0.9, 1)}",
              20, 8, 8, lr=0.05, momentum=0.9, **{"local-epochs": 1}),
+    _setting("n30-lr0.05-m0.9-e1", f"#C=2, 30 clients, K=6 / superclients of ~5, {_label(0.05, 0.9, 1)}",
+             30, 6, 5, lr=0.05, momentum=0.9, **{"local-epochs": 1}),
 ]
+QUICKSTART_APP = PROJECT_DIR / "tests" / "apps" / "quickstart"
+QUICKSTART_LRS = (0.01, 0.05, 0.1)
+QUICKSTART = {"num-server-rounds": 30, "momentum": 0.9, "batch-size": 16, "local-epochs": 1}
+QUICKSTART_K = 2  # FedCat's default on 10 nodes: 10 % of them, at least 2
 
-BOUNDED = {"fedcat-hop-step": 1.0, "fedcat-hop-clip": 1.5, "fedseq-hop-step": 1.0, "fedseq-hop-clip": 1.5}
-DAMPED = {**BOUNDED, "fedcat-hop-step": 0.5, "fedseq-hop-step": 0.5}  # the defaults
+BOUNDED = {"fedcat-hop-clip": 1.5, "fedseq-hop-clip": 1.5}
+FIXED = {**BOUNDED, "fedcat-hop-step": "0.5", "fedseq-hop-step": "0.5"}
+ADAPTIVE = {**BOUNDED, "fedcat-hop-step": "auto", "fedseq-hop-step": "auto"}
+FEDCAT_FIXED = "FedCat (fixed: hop-step 0.5, hop-clip 1.5)"
+FEDSEQ_FIXED = "FedSeq (fixed: hop-step 0.5, hop-clip 1.5)"
+FEDCAT_AUTO = "FedCat (adaptive: hop-step auto, hop-clip 1.5)"
+FEDSEQ_AUTO = "FedSeq (adaptive: hop-step auto, hop-clip 1.5)"
+FEDAVG_ALL = "FedAvg (every node)"
 METHODS: dict[str, dict[str, Any]] = {
     "FedAvg": {"strategy": "fedavg"},
+    FEDAVG_ALL: {"strategy": "fedavg", "fraction-train": 1.0},
     "FedCat (paper-exact)": {"strategy": "fedcat", **PAPER_EXACT},
-    "FedCat w/ GC (paper-exact)": {"strategy": "fedcat", "fedcat-concat": False, **PAPER_EXACT},
-    "FedCat (hop-clip 1.5)": {"strategy": "fedcat", **BOUNDED},
-    DEFAULT_FEDCAT_LABEL: {"strategy": "fedcat", **DAMPED},
+    FEDCAT_FIXED: {"strategy": "fedcat", **FIXED},
+    FEDCAT_AUTO: {"strategy": "fedcat", **ADAPTIVE},
     "FedSeq (paper-exact)": {"strategy": "fedseq", **PAPER_EXACT},
-    "FedSeq (hop-clip 1.5)": {"strategy": "fedseq", **BOUNDED},
-    "FedSeq (hop-clip 1.5, hop-step 0.5: default)": {"strategy": "fedseq", **DAMPED},
+    FEDSEQ_FIXED: {"strategy": "fedseq", **FIXED},
+    FEDSEQ_AUTO: {"strategy": "fedseq", **ADAPTIVE},
 }
+
+
+def _quickstart_cells() -> list[Cell]:
+    """The user-style app's columns: its own keys for the same rows."""
+    rows = {
+        "FedAvg": {"variant": "fedavg", "fraction-train": QUICKSTART_K / CLIENTS},
+        FEDAVG_ALL: {"variant": "fedavg", "fraction-train": 1.0},
+        "FedCat (paper-exact)": {"variant": "fedcat", "hop-step": "1", "hop-clip": 0.0, "update-clip": 0.0,
+                                 "weight-clip": 0.0},
+        FEDCAT_FIXED: {"variant": "fedcat", "hop-step": "0.5"},
+        FEDCAT_AUTO: {"variant": "fedcat", "hop-step": "auto"},
+        "FedSeq (paper-exact)": {"variant": "fedseq", "hop-step": "1", "hop-clip": 0.0, "update-clip": 0.0,
+                                 "weight-clip": 0.0},
+        FEDSEQ_FIXED: {"variant": "fedseq", "hop-step": "0.5"},
+        FEDSEQ_AUTO: {"variant": "fedseq", "hop-step": "auto"},
+    }
+    cells = []
+    for lr in QUICKSTART_LRS:
+        setting = Setting(f"quickstart-lr{lr:g}", f"quickstart app, #C=2, lr {lr:g}, mom 0.9 (step {lr / 0.1:g}), "
+                          f"1 ep, K={QUICKSTART_K}")
+        cells += [Cell(setting, method, CLIENTS, {**QUICKSTART, "lr": lr, **row}, QUICKSTART_APP)
+                  for method, row in rows.items()]
+    return cells
 
 
 def _divergence_mean(key: str) -> Callable[[Metrics], float | None]:
@@ -131,12 +172,19 @@ def suite() -> Suite:
         Cell(setting, method, clients, {**config, **overrides})
         for setting, clients, config in SETTINGS
         for method, overrides in METHODS.items()
-    )
+    ) + tuple(_quickstart_cells())
     notes = (
-        f"digits, ~{SAMPLES_PER_CLIENT} training images per client (~72 with 20 clients), no local test split; "
-        "30 rounds; batch 16; FedCat's K = FedAvg's clients per round (fraction-train K/N); FedSeq trains the "
-        "same fraction of its superclients per round (one superclient here)",
-        "paper-exact = hop-step 1 and hop-clip 0 (every reply taken as it is); the other rows set both keys",
+        f"digits, ~{SAMPLES_PER_CLIENT} training images per client (~72 with 20 clients, ~48 with 30), no local "
+        "test split; 30 rounds; batch 16; FedAvg: FedCat's K clients per round (fraction-train K/N: equal "
+        "participation), FedAvg (every node): all of them; FedSeq trains the same fraction of its superclients "
+        "per round (one superclient here)",
+        "quickstart app columns: tests/apps/quickstart (its own model, ClientApp and ServerApp, 10 clients of two "
+        "classes) with its strategies' defaults but the hop settings: FedCat K = 2, FedSeq every superclient each "
+        "round (superclients of ≥ 800 samples), FedAvg with 2 clients a round or every client",
+        "paper-exact = hop-step 1, hop-clip 0, update-clip 0 (every reply taken as it is); the other rows "
+        "bound later hops at 1.5 first hops and every reply at update-clip 4; the adaptive step reads only "
+        "hop lengths (no server data, nothing from the client), so its rows are the same with or without a "
+        "server evaluation",
         IN_PROCESS_NOTE,
     )
     return Suite(
@@ -164,7 +212,7 @@ def mnist_suite() -> Suite:
         "min-available-nodes": 20,
         "device": "cpu",
     }
-    methods = ("FedAvg", "FedCat (paper-exact)", "FedCat (hop-clip 1.5)", DEFAULT_FEDCAT_LABEL)
+    methods = ("FedAvg", "FedCat (paper-exact)", FEDCAT_FIXED, FEDCAT_AUTO)
     cells = tuple(Cell(setting, method, 20, {**config, **METHODS[method]}) for method in methods)
     notes = (
         "the FedCat paper's data per client (600 MNIST images: a stratified 12,000-image subsample; 1,000 test "
@@ -195,8 +243,9 @@ def plot_map(the_suite: Suite, runs: dict[tuple[str, str], list[Metrics]], direc
             accuracies = [100 * m["final_accuracy"] for m in runs.get((setting.name, method), [])]
             means.append(statistics.fmean(accuracies) if accuracies else float("nan"))
             stds.append(statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0)
-        if method == "FedAvg":
-            axes.plot(positions, means, color="black", marker="o", linewidth=2, label=method, zorder=3)
+        if method.startswith("FedAvg"):
+            style = "-" if method == "FedAvg" else ":"
+            axes.plot(positions, means, color="black", marker="o", linestyle=style, linewidth=2, label=method, zorder=3)
             continue
         offsets = [p - 0.4 + width * (index + 0.5) for p in positions]
         axes.errorbar(offsets, means, yerr=stds, fmt="o", capsize=2, label=method)

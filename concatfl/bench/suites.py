@@ -350,7 +350,7 @@ FEDCAT_PROX_MU = {"mnist": 0.1, "fmnist": 0.1, "cifar10": 0.01, "digits": 0.1}
 
 
 # FedCat as concatfl runs it by default: damped, bounded hops (docs/strategies.md), not the paper's rule.
-DEFAULT_FEDCAT_LABEL = f"FedCat (hop-clip {RunConfig.fedcat_hop_clip:g}, hop-step {RunConfig.fedcat_hop_step:g}: default)"
+DEFAULT_FEDCAT_LABEL = f"FedCat (hop-clip {RunConfig.fedcat_hop_clip:g}, hop-step {RunConfig.fedcat_hop_step}: default)"
 DEFAULT_FEDCAT_HOPS = {"fedcat-hop-step": RunConfig.fedcat_hop_step, "fedcat-hop-clip": RunConfig.fedcat_hop_clip}
 
 

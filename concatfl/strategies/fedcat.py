@@ -17,6 +17,7 @@ from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
+from ..config import parse_hop_step
 from ..core.fedcat import (
     CountTable,
     cycle_offset,
@@ -115,9 +116,9 @@ class FedCat(RelayStrategy):
         the model the cycle started from and the d_i-weighted average as the mean. The average
         reported for a last round inside a cycle is not corrected (h is left for a resumed run).
     hop_step, hop_clip, check_parts (default: 0.5, 1.5, True)
-        The server's damped (η) and bounded (c) hops and its divergence check: see `ChainGuard`
-        and docs/strategies.md. `hop_step=1, hop_clip=0` (with `update_clip=0`) is the paper's
-        algorithm exactly.
+        The server's damped (η, or "auto": adapted from the hops' lengths) and bounded (c) hops
+        and its divergence check: see `ChainGuard` and docs/strategies.md. `hop_step=1,
+        hop_clip=0` (with `update_clip=0`) is the paper's algorithm exactly.
     fraction_evaluate, round_timeout, seed, update_clip, weight_clip
         See `RelayStrategy`.
     """
@@ -132,7 +133,7 @@ class FedCat(RelayStrategy):
         selection: str = "grouped-count",
         concat: bool = True,
         feddyn: FedDynServer | None = None,
-        hop_step: float = DEFAULT_HOP_STEP,
+        hop_step: float | str = DEFAULT_HOP_STEP,
         hop_clip: float = DEFAULT_HOP_CLIP,
         check_parts: bool = True,
         fraction_evaluate: float = 0.0,
@@ -379,7 +380,7 @@ def build(config: RunConfig, env: ServerEnv) -> FedCat:
         selection=config.fedcat_selection,
         concat=config.fedcat_concat,
         feddyn=feddyn_from_config(config, env),
-        hop_step=config.fedcat_hop_step,
+        hop_step=parse_hop_step(config.fedcat_hop_step),
         hop_clip=config.fedcat_hop_clip,
         fraction_evaluate=config.fraction_evaluate,
         round_timeout=config.timeout,

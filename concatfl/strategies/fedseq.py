@@ -25,7 +25,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 from torch import nn
 
-from ..config import FEDSEQ_DISTRIBUTION_METRICS
+from ..config import FEDSEQ_DISTRIBUTION_METRICS, parse_hop_step
 from ..core import superclients as sc
 from ..models import fc_layer_names
 from .base import RelayStrategy
@@ -150,9 +150,9 @@ class FedSeq(RelayStrategy):
         message answered with ``metrics["label-counts"]``) and report the superclients'
         balance from them too.
     hop_step, hop_clip, check_parts (default: 0.5, 1.5, True)
-        The server's damped (η) and bounded (c) hops and its divergence check: see `ChainGuard`
-        and docs/strategies.md. `hop_step=1, hop_clip=0` (with `update_clip=0`) is the paper's
-        algorithm exactly.
+        The server's damped (η, or "auto": adapted from the hops' lengths) and bounded (c) hops
+        and its divergence check: see `ChainGuard` and docs/strategies.md. `hop_step=1,
+        hop_clip=0` (with `update_clip=0`) is the paper's algorithm exactly.
     fraction_evaluate, round_timeout, seed, update_clip, weight_clip
         See `RelayStrategy`. The pre-training replies are bounded against each other (stream
         "pretrain"): their sample counts are the superclients' weights.
@@ -183,7 +183,7 @@ class FedSeq(RelayStrategy):
         proximal_mu: float = 0.0,
         feddyn: FedDynServer | None = None,
         report_label_counts: bool = False,
-        hop_step: float = DEFAULT_HOP_STEP,
+        hop_step: float | str = DEFAULT_HOP_STEP,
         hop_clip: float = DEFAULT_HOP_CLIP,
         check_parts: bool = True,
         fraction_evaluate: float = 0.0,
@@ -724,7 +724,7 @@ def build(config: RunConfig, env: ServerEnv) -> FedSeq:
         proximal_mu=config.proximal_mu,
         feddyn=feddyn_from_config(config, env),
         report_label_counts=config.report_label_counts,
-        hop_step=config.fedseq_hop_step,
+        hop_step=parse_hop_step(config.fedseq_hop_step),
         hop_clip=config.fedseq_hop_clip,
         fraction_evaluate=config.fraction_evaluate,
         round_timeout=config.timeout,

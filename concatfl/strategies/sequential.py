@@ -14,6 +14,7 @@ and logs one WARNING per run the first time the chains look broken
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from logging import WARNING
 from typing import Any
@@ -22,15 +23,16 @@ import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.supercore import log
 
-from ..core.sequential import diverged, divergence
+from ..core.sequential import ADAPT_WINDOW, STEP_START, adapt_step, diverged, divergence
 from .common import Reply, to_numpy
 from .guard import ReplyGuard
 
 Evaluate = Callable[[ArrayRecord], MetricRecord | None]
 # The step and bound FedCat and FedSeq use unless told otherwise (docs/results.md, the
 # sequential-stability map, gives the evidence; docs/strategies.md the reasoning).
-DEFAULT_HOP_STEP = 0.5
+DEFAULT_HOP_STEP: float | str = 0.5
 DEFAULT_HOP_CLIP = 1.5
+AUTO = "auto"
 
 
 class ChainGuard:
@@ -43,9 +45,12 @@ class ChainGuard:
     replies : ReplyGuard
         The strategy's guard: it bounds every hop (its update clip applies to all of them) and
         keeps the first hops' lengths as the reference (stream "model").
-    hop_step : float
+    hop_step : float | str
         η in (0, 1]: the share of each hop's update the server takes (1: all of it); the
-        travelling model moves by s·(returned − sent), s ≤ η.
+        travelling model moves by s·(returned − sent), s ≤ η. "auto": η starts at 0.5 and is
+        adapted after every aggregation by `concatfl.core.sequential.adapt_step` from the
+        later hops' length relative to first hops (recorded as ``hop_rule`` in the divergence
+        record); it needs no server data and nothing from the client.
     hop_clip : float
         c ≥ 0: a later hop may move the model at most c times the reference, the lower median
         length of the recent first hops (those that start from the averaged model); longer hops
@@ -69,17 +74,22 @@ class ChainGuard:
         keys: tuple[str, str],
         check_parts: bool = True,
     ) -> None:
-        if not 0.0 < hop_step <= 1.0:
-            raise ValueError(f"hop_step must be in (0, 1] (1 = take each reply as it is), got {hop_step}")
+        if hop_step != AUTO and not 0.0 < float(hop_step) <= 1.0:
+            raise ValueError(f"hop_step must be in (0, 1] (1 = take each reply as it is) or 'auto', got {hop_step}")
         if hop_clip < 0:
             raise ValueError(f"hop_clip must be >= 0 (0 = no bound), got {hop_clip}")
         self.strategy = strategy
         self.replies = replies
         self.hop_step = hop_step
+        self.step = STEP_START if hop_step == AUTO else float(hop_step)  # η of the hops to come
         self.hop_clip = hop_clip
         self.keys = keys
         self.check_parts = check_parts
         self._later_ratios: list[float] = []  # since the last check: later hop length / reference
+        self._own_first: dict[int, float] = {}  # each node's latest first-hop length
+        # The recent later hops' lengths over their node's first hop: the adaptive step's measure
+        # (a window, not just the hops since the last check: FedSeq checks after every round).
+        self._own_ratios: deque[float] = deque(maxlen=ADAPT_WINDOW)
         self._steps: list[float] = []  # since the last check: the step size each hop was given
         self._aggregations = 0
         self._start_accuracy: float | None = None  # of the model the first chains started from
@@ -91,11 +101,18 @@ class ChainGuard:
         `first_hop`: the replies answer the averaged model a chain started from (their lengths
         join the reference instead of being bounded by `hop_clip`)."""
         folded = self.replies.bound(
-            replies, step=self.hop_step, hop_clip=0.0 if first_hop else self.hop_clip, joins=first_hop
+            replies, step=self.step, hop_clip=0.0 if first_hop else self.hop_clip, joins=first_hop
         )
         for reply in folded:
-            if not first_hop and reply.reference and reply.length is not None:
+            if reply.length is None:
+                continue
+            if first_hop:
+                self._own_first[reply.node_id] = reply.length
+                continue
+            if reply.reference:
                 self._later_ratios.append(reply.length / reply.reference)
+            if self._own_first.get(reply.node_id):
+                self._own_ratios.append(reply.length / self._own_first[reply.node_id])
             self._steps.append(reply.share)
         return folded
 
@@ -114,6 +131,9 @@ class ChainGuard:
         hop_ratio = float(np.median(self._later_ratios)) if self._later_ratios else None
         if hop_ratio is not None:
             record["hop_length_ratio"] = round(hop_ratio, 4)
+        own_ratio = float(np.median(self._own_ratios)) if self._own_ratios else None  # over the window
+        if own_ratio is not None:
+            record["own_hop_ratio"] = round(own_ratio, 4)
         if self._steps:
             record["hop_steps"] = {"min": round(min(self._steps), 4), "mean": round(float(np.mean(self._steps)), 4)}
         self._later_ratios, self._steps = [], []
@@ -128,6 +148,14 @@ class ChainGuard:
                 average_accuracy, part_accuracies = average_score, [float(a) for a in scores if a is not None]
                 record["part_accuracy"] = [round(a, 4) for a in part_accuracies]
                 record["average_accuracy"] = round(average_accuracy, 4)
+        if self.hop_step == AUTO:
+            used = self.step
+            # A client's own first hop is the fairer yardstick (clients differ in data and so in
+            # hop length); the reference of all first hops stands in until a client has one.
+            ratio = own_ratio if own_ratio is not None else hop_ratio
+            if ratio is not None:
+                self.step = adapt_step(self.step, ratio)
+            record["hop_rule"] = {"step": round(used, 4), "next_step": round(self.step, 4)}
         reason = diverged(self._aggregations, self._start_accuracy, average_accuracy, part_accuracies)
         record["diverged"] = reason is not None
         if reason is not None and not self._warned:
@@ -153,7 +181,10 @@ class ChainGuard:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to bound its hops exactly as this one would."""
         return {
+            "step": self.step,
             "later_ratios": list(self._later_ratios),
+            "own_first": {str(node): length for node, length in self._own_first.items()},
+            "own_ratios": list(self._own_ratios),
             "steps": list(self._steps),
             "aggregations": self._aggregations,
             "start_accuracy": self._start_accuracy,
@@ -162,7 +193,10 @@ class ChainGuard:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s output."""
+        self.step = float(state["step"])
         self._later_ratios = [float(x) for x in state["later_ratios"]]
+        self._own_first = {int(node): float(length) for node, length in state["own_first"].items()}
+        self._own_ratios = deque((float(x) for x in state["own_ratios"]), maxlen=ADAPT_WINDOW)
         self._steps = [float(x) for x in state["steps"]]
         self._aggregations = int(state["aggregations"])
         self._start_accuracy = None if state["start_accuracy"] is None else float(state["start_accuracy"])

@@ -59,7 +59,7 @@ def run(grid: Grid, context: Context) -> tuple[RelayStrategy, Result]:
 
 
 def build(config, x_test: torch.Tensor, y_test: torch.Tensor) -> RelayStrategy:
-    """The concatfl strategy the run config's `variant` names, with its bounds and aggregation."""
+    """The concatfl strategy the run config's `variant` names, with its hop rule, bounds and aggregation."""
     variant = config["variant"]
     guard = {
         "seed": int(config["seed"]),
@@ -69,12 +69,15 @@ def build(config, x_test: torch.Tensor, y_test: torch.Tensor) -> RelayStrategy:
     aggregation = Aggregation(
         str(config["aggregation"]), float(config["aggregation-trim"]), int(config["aggregation-byzantine"])
     )
+    step = str(config["hop-step"])
+    hops = {"hop_step": step if step == "auto" else float(step), "hop_clip": float(config["hop-clip"])}
+    fraction = float(config["fraction-train"])
     if variant == "fedavg":
-        return FedAvg(aggregation=aggregation, **guard)
+        return FedAvg(fraction_train=fraction, aggregation=aggregation, **guard)
     if variant == "fedcat":
-        return FedCat(**guard)
+        return FedCat(k=int(config["fedcat-k"]), **hops, **guard)
     if variant == "fedseq":
-        return FedSeq(Net, NUM_CLASSES, exemplar_pool=(x_test, y_test), **guard)
+        return FedSeq(Net, NUM_CLASSES, exemplar_pool=(x_test, y_test), fraction_train=fraction, **hops, **guard)
     return FedConcat(
         label_inference=variant == "fedconcat-id",
         head="fc3",
