@@ -44,7 +44,7 @@ RUN useradd --create-home --uid 49999 app \
 COPY --from=build /app/.venv /app/.venv
 # The project's source, not installed: Flower runs the ServerApp and ClientApp from the app bundle
 # it installs (`flwr run /app`, service `submit`, builds that bundle from here), and the warm
-# executor runs as `python -m concatfl.warm_executor` from /app. So a code change rebuilds only
+# executor runs as `python -m concatfl.deployment.warm_executor` from /app. So a code change rebuilds only
 # these small layers, never the environment.
 COPY pyproject.toml README.md ./
 COPY concatfl ./concatfl

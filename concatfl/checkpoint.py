@@ -7,7 +7,7 @@ superclients and slots; FedConcat's stage, clusters, cluster models and head; SC
 FedDyn's h; the strategy's random generator; the per-round records), the server's torch random
 state, the initial evaluation and the wall time so far. `resume=true` continues from it.
 
-Node ids in the state are the stable ids of `concatfl.stable_grid` (partition ids), so a
+Node ids in the state are the stable ids of `concatfl.deployment.grid` (partition ids), so a
 checkpoint matches the nodes of a later run, in simulation and in deployment.
 """
 

@@ -20,9 +20,8 @@ from .config import RunConfig
 from .fuzz import fuzz_mod
 from .fedconcat_client import handle_features, handle_head_training, handle_label_query
 from .objectives import CONTROL_KEY, build_objective
-from .protocol import FEATURES_ACTION, HEAD_ACTION, LABELS_ACTION
+from .protocol import FEATURES_ACTION, HEAD_ACTION, IDENTITY_QUERY, LABELS_ACTION, PARTITION_ID_KEY
 from .runtime import ClientData, load_client_data, load_data, make_model
-from .stable_grid import IDENTITY_QUERY, PARTITION_ID_KEY
 from .training import evaluate, pick_device, train
 
 # The fuzzing mod does nothing unless `fuzz-share` > 0 (run or node config): concatfl.fuzz.
@@ -130,7 +129,7 @@ def query_handler(message: Message, context: Context) -> Message:
     """Answer `config["query"]`:
 
     - `identity` → this node's `partition-id` (the ServerApp's stable id for the node, see
-      `concatfl.stable_grid`);
+      `concatfl.deployment.grid`);
     - `label-counts` → this client's training label counts: a diagnostic for simulations
       (FedSeq's `report-label-counts`); a deployment that must not reveal label counts simply
       does not enable it on the server.

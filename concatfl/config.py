@@ -25,6 +25,11 @@ DEVICES = ("auto", "cpu", "cuda")
 FEDSEQ_DISTRIBUTION_METRICS = ("kl", "wasserstein", "gini")
 AGGREGATIONS = ("mean", "median", "trimmed-mean", "krum", "multi-krum")
 SEQUENTIAL_STRATEGIES = ("fedcat", "fedseq", "fedseq-inter")
+# FedProx's μ where FedProx is asked for (strategy or local objective) and proximal-mu is left at
+# 0: the default of `concatfl.strategies.FedProx` (Li et al.'s smallest value).
+FEDPROX_DEFAULT_MU = 0.01
+# Seconds a hop waits for its replies, in the run config and in every strategy's `start()`.
+DEFAULT_ROUND_TIMEOUT = 600.0
 
 
 class ConfigError(ValueError):
@@ -50,7 +55,7 @@ class RunConfig:
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
     min_available_nodes: int = 2
-    round_timeout: float = 600.0
+    round_timeout: float = DEFAULT_ROUND_TIMEOUT
     local_epochs: int = 1
     batch_size: int = 32
     lr: float = 0.1
@@ -109,7 +114,11 @@ class RunConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
-        """Build and validate from Flower's run config (kebab-case keys); unknown keys fail."""
+        """Build and validate from Flower's run config (kebab-case keys); unknown keys fail.
+
+        `proximal-mu` = 0 with strategy or local objective 'fedprox' becomes FedProx's default μ
+        (FEDPROX_DEFAULT_MU), as `FedProx()` has it.
+        """
         fields = {field.name: field for field in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
@@ -117,6 +126,9 @@ class RunConfig:
             if name not in fields:
                 raise ConfigError(f"unknown run-config key '{key}'; known keys: {sorted(known_keys())}")
             kwargs[name] = _coerce(key, value, fields[name].type)
+        wants_fedprox = "fedprox" in (kwargs.get("strategy"), kwargs.get("local_objective"))
+        if wants_fedprox and kwargs.get("proximal_mu", 0.0) == 0.0:
+            kwargs["proximal_mu"] = FEDPROX_DEFAULT_MU  # one default for the key and the class
         config = cls(**kwargs)
         config.validate()
         return config
@@ -167,8 +179,6 @@ class RunConfig:
         _at_least("momentum", self.momentum, 0.0)
         _at_least("weight-decay", self.weight_decay, 0.0)
         _at_least("proximal-mu", self.proximal_mu, 0.0)
-        if self.strategy == "fedprox" and self.proximal_mu <= 0:
-            raise ConfigError("strategy='fedprox' needs proximal-mu > 0 (the weight of the proximal term)")
         _open_interval("scaffold-server-lr", self.scaffold_server_lr, 0.0, float("inf"))
         _open_interval("feddyn-alpha", self.feddyn_alpha, 0.0, float("inf"))
         _open_interval("moon-tau", self.moon_tau, 0.0, float("inf"))

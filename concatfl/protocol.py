@@ -1,4 +1,5 @@
-"""FedConcat's messages beyond ordinary training: action names, record keys and config keys.
+"""Messages beyond ordinary training: FedConcat's action names, record keys and config keys, and the
+identity query the ServerApp asks every node once (`concatfl.deployment.grid`).
 
 Both sides import these constants: the server strategy (`concatfl.strategies.fedconcat`) and
 the client handlers (`concatfl.fedconcat_client`). FedConcat-ID's stage 1 and both variants'
@@ -65,3 +66,8 @@ HEAD_NAME = "fedconcat-head"
 CLASSIFIER_STEPS = "fedconcat-classifier-steps"
 FEATURE_DIM = "feature-dim"
 CACHE_MISS = "fedconcat-cache-miss"
+
+# The identity query: ``"query"`` with ``"config"``: {"query": IDENTITY_QUERY}, answered with
+# ``"metrics"``: {PARTITION_ID_KEY: the node's partition id}.
+IDENTITY_QUERY = "identity"
+PARTITION_ID_KEY = "partition-id"

@@ -16,7 +16,7 @@ from .config import RunConfig
 from .metrics import summarize, write_metrics
 from .models import resolve_model_name
 from .runtime import ServerEnv
-from .stable_grid import StableNodeGrid
+from .deployment.grid import StableNodeGrid
 from .strategies import build_strategy
 
 app = ServerApp()

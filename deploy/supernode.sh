@@ -2,8 +2,8 @@
 # A SuperNode container's entrypoint:  deploy/supernode.sh flower-supernode ARG...
 #
 # CONCATFL_EXECUTOR=warm (default): the SuperNode runs through concatfl's launcher (Flower's SuperNode
-# with short fixed waits, concatfl/supernode.py) with --isolation=process, and concatfl's warm
-# executor (concatfl/warm_executor.py) runs its ClientApp tasks beside it, in one long-lived
+# with short fixed waits, concatfl/deployment/supernode.py) with --isolation=process, and concatfl's warm
+# executor (concatfl/deployment/warm_executor.py) runs its ClientApp tasks beside it, in one long-lived
 # process. CONCATFL_EXECUTOR=stock: Flower's own SuperNode and executor (a new ClientApp process
 # per message), the command as given.
 # When either process ends, the other is stopped and the container exits with the first one's
@@ -24,9 +24,9 @@ runtime_port=9094  # flower-supernode's default --port (its Runtime API)
 for arg in "$@"; do
     case $arg in --port=*) runtime_port=${arg#--port=} ;; esac
 done
-PYTHONPATH="$app_dir${PYTHONPATH:+:$PYTHONPATH}" python -m concatfl.supernode "$@" --isolation=process &
+PYTHONPATH="$app_dir${PYTHONPATH:+:$PYTHONPATH}" python -m concatfl.deployment.supernode "$@" --isolation=process &
 supernode=$!
-(cd "$app_dir" && exec python -m concatfl.warm_executor --runtime-api-address="127.0.0.1:$runtime_port" --insecure \
+(cd "$app_dir" && exec python -m concatfl.deployment.warm_executor --runtime-api-address="127.0.0.1:$runtime_port" --insecure \
     --parent-pid="$supernode") &
 executor_pid=$!
 trap 'kill -TERM "$supernode" "$executor_pid" 2>/dev/null || true' TERM INT

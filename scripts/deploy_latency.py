@@ -6,7 +6,7 @@ sequential hops per round, plus the pre-training hop). The ServerApp (scripts/la
 each hop's wall time and the ClientApps' "train-seconds"; the rest of a hop is overhead. Before
 submitting, the nodes' processes (SuperNodes with their SuperExec or warm executor) idle for
 `--idle-seconds`: their CPU use then is the cost of their polling. With the warm executor, each
-sequential hop is split further with the executor's task records (concatfl/warm_executor.py):
+sequential hop is split further with the executor's task records (concatfl/deployment/warm_executor.py):
 until the task was claimed, inside the executor (by step), after its reply was handed over.
 Also measured in isolation: what a fresh ClientApp process pays before training (interpreter,
 imports), and serializing a train message.
@@ -30,9 +30,10 @@ from typing import Any, NamedTuple
 
 import psutil
 
-from concatfl.launch import PROJECT_DIR, FlowerSession
+from concatfl import PROJECT_DIR
+from concatfl.deployment.session import FlowerSession
 from concatfl.metrics import read_metrics
-from concatfl.warm_executor import task_records
+from concatfl.deployment.warm_executor import task_records
 
 APP = PROJECT_DIR / "scripts/latency_app"
 
@@ -40,7 +41,7 @@ APP = PROJECT_DIR / "scripts/latency_app"
 
 class Variant(NamedTuple):
     """Settings of one measured deployment: extra environment of every process, how the
-    SuperNodes run ClientApps (concatfl.launch.EXECUTORS), and whether the SuperLink keeps its
+    SuperNodes run ClientApps (concatfl.deployment.commands.EXECUTORS), and whether the SuperLink keeps its
     state in an SQLite file (`--database`) instead of memory (Flower's default)."""
 
     env: dict[str, str]
@@ -51,7 +52,7 @@ class Variant(NamedTuple):
 # FLWR_SUPEREXEC_TASK_POLL_INTERVAL is Flower 1.42's own setting (SuperExec's task polling,
 # default 1 s); CONCATFL_FLOWER_GRID=1 makes the ServerApp wait for replies as Flower's own Grid
 # does (see scripts/latency_app); CONCATFL_SUPERNODE_WAITS=flower keeps Flower's SuperNode waits
-# under the warm executor (concatfl/supernode.py). The warm executor polls every 0.1 s.
+# under the warm executor (concatfl/deployment/supernode.py). The warm executor polls every 0.1 s.
 VARIANTS: dict[str, Variant] = {
     "flower-defaults": Variant({"CONCATFL_FLOWER_GRID": "1"}),
     "server-pull-0.1s": Variant({}),

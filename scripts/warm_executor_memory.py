@@ -2,7 +2,7 @@
 
 A SuperLink and `--nodes` SuperNodes, each with concatfl's warm executor, run a FedAvg job on
 digits: every round sends each node a train and an evaluate message. The executors' task
-records (concatfl/warm_executor.py) give the worker's RSS after every task; the report shows,
+records (concatfl/deployment/warm_executor.py) give the worker's RSS after every task; the report shows,
 per node, the RSS after the first task and after the warm-up, the peak, the last, and the
 least-squares slope over the second half of the tasks (MiB per 100 messages).
 
@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from concatfl.launch import FlowerSession
-from concatfl.warm_executor import task_records
+from concatfl.deployment.session import FlowerSession
+from concatfl.deployment.warm_executor import task_records
 
 
 def rss_summary(records: list[dict[str, Any]]) -> dict[str, Any]:

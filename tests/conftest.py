@@ -1,8 +1,25 @@
-"""Shared test setup."""
+"""Shared test setup, and the rule for tests that need Docker.
+
+Tests marked `compose` run the docker-compose CLI; tests marked `docker` also need a running
+Docker engine. On a machine without them those tests are skipped, and the run ends with one
+line that says how to run them; with CONCATFL_REQUIRE_DOCKER=1 (set by `.ci/run`, which installs
+and starts them) a missing engine or CLI is a failure instead, so CI never skips them.
+"""
+
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
 from flwr.supercore.task_identity import TaskIdentity
+
+REQUIRE_DOCKER = "CONCATFL_REQUIRE_DOCKER"
+NEEDS_DOCKER = "needs Docker"
+HOW_TO_RUN = (
+    "install docker.io and docker-compose, start dockerd (`.ci/run` does both on Debian), then run the tests "
+    f"again; {REQUIRE_DOCKER}=1 turns a missing engine into a failure"
+)
 
 # The tests' models are tiny: one thread avoids oversubscribing small CI machines (two threads
 # made backward passes ~100x slower on a shared 2-core machine).
@@ -17,3 +34,40 @@ def task_identity():
     """
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
     yield
+
+
+def _docker_missing(engine: bool) -> str | None:
+    """What is missing for a `compose` (engine False) or `docker` test, or None."""
+    if shutil.which("docker-compose") is None:
+        return "no docker-compose command"
+    if engine:
+        if shutil.which("docker") is None:
+            return "no docker command"
+        try:
+            running = subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+        except subprocess.TimeoutExpired:
+            running = False
+        if not running:
+            return "no running Docker engine (`docker info` fails)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(REQUIRE_DOCKER) == "1":
+        return
+    missing = {}
+    for item in items:
+        for marker, engine in (("docker", True), ("compose", False)):
+            if item.get_closest_marker(marker) is None:
+                continue
+            if marker not in missing:
+                missing[marker] = _docker_missing(engine)
+            if missing[marker] is not None:
+                item.add_marker(pytest.mark.skip(reason=f"{NEEDS_DOCKER}: {missing[marker]}"))
+            break
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if NEEDS_DOCKER in str(r.longrepr)]
+    if skipped:
+        terminalreporter.write_line(f"{len(skipped)} Docker tests skipped (no Docker here): to run them, {HOW_TO_RUN}.")

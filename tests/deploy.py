@@ -1,7 +1,7 @@
 """Helpers for the deployment tests: certificates, authenticated SuperNodes, bounded waits, kills.
 
 Every deployment test runs real `flower-superlink`/`flower-supernode` processes through
-`concatfl.launch.FlowerSession` (which stops them all on exit).
+`concatfl.deployment.session.FlowerSession` (which stops them all on exit).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from typing import Any, TypeVar
 
 import psutil
 
-from concatfl.launch import PROJECT_DIR, Certificates, FlowerSession, supernode_security
+from concatfl import PROJECT_DIR
+from concatfl.deployment.commands import Certificates, supernode_security
+from concatfl.deployment.session import FlowerSession
 
 T = TypeVar("T")
 
@@ -26,7 +28,7 @@ T = TypeVar("T")
 # that delay (the warm executor polls every 0.1 s by itself).
 FAST_POLLING = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}
 
-# How the deployment tests' SuperNodes run ClientApps (concatfl.launch.EXECUTORS): concatfl's warm
+# How the deployment tests' SuperNodes run ClientApps (concatfl.deployment.commands.EXECUTORS): concatfl's warm
 # executor by default (one process per SuperNode: hops without a process start each);
 # CONCATFL_DEPLOY_EXECUTOR=stock runs them with Flower's own SuperExec (a process per message).
 DEPLOY_EXECUTOR = os.environ.get("CONCATFL_DEPLOY_EXECUTOR", "warm")

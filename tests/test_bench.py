@@ -22,7 +22,8 @@ from concatfl.bench.runner import cell_config
 from concatfl.bench.suites import BLUEPRINTS, PAPER, SCALES, SUITE_NAMES, Cell, Setting, Suite
 from concatfl.config import RunConfig
 from concatfl.data.datasets import load_dataset
-from concatfl.launch import PROJECT_DIR, SimulationError
+from concatfl import PROJECT_DIR
+from concatfl.deployment.processes import SimulationError
 from concatfl.metrics import write_metrics
 
 from .e2e import leftover_processes

@@ -1,6 +1,6 @@
 """docker-compose.yml starts the same SuperLink/SuperNodes as the native deployment tests.
 
-The file is parsed and its commands compared with the commands `concatfl.launch` uses for real
+The file is parsed and its commands compared with the commands `concatfl.deployment.commands` uses for real
 processes (tests/test_deploy_tls.py runs them with TLS and SuperNode authentication), and
 `docker-compose config` validates both compose files. tests/test_compose_e2e.py runs them.
 """
@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from concatfl.launch import (
-    PROJECT_DIR,
-    Certificates,
-    superlink_command,
-    superlink_security,
-    supernode_command,
-    supernode_security,
-)
+from concatfl import PROJECT_DIR
+from concatfl.deployment.commands import Certificates, superlink_command, superlink_security, supernode_command, supernode_security
 
 COMPOSE = yaml.safe_load((PROJECT_DIR / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
@@ -80,6 +74,7 @@ def test_volumes_and_submit_connection_are_declared():
         assert script in dockerfile and f"!{script}" in (PROJECT_DIR / ".dockerignore").read_text()
 
 
+@pytest.mark.compose
 def test_second_host_supernodes_run_the_native_command_against_the_published_address():
     # `docker-compose config` fills in the file's defaults: SuperNodes 0 and 1 on the host network.
     resolved = subprocess.run(
@@ -97,6 +92,7 @@ def test_second_host_supernodes_run_the_native_command_against_the_published_add
         assert service["network_mode"] == "host" and service["entrypoint"] == ["bash", "/app/deploy/supernode.sh"]
 
 
+@pytest.mark.compose
 @pytest.mark.parametrize("compose_file", ["docker-compose.yml", "deploy/supernodes.compose.yml"])
 def test_docker_compose_accepts_the_file(compose_file):
     done = subprocess.run(

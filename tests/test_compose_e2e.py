@@ -8,8 +8,9 @@ during which a SuperNode container is `docker kill`ed and started again; an unre
 SuperNode container; SuperNodes of a second "host" (deploy/supernodes.compose.yml, host network)
 that reach the SuperLink only through its published 127.0.0.1 port; `docker-compose down -v`.
 
-A Docker engine is required: without one these tests fail (they do not skip). `.ci/run` installs
-docker.io and starts dockerd.
+They need a Docker engine and docker-compose: without them they are skipped (tests/conftest.py
+says how to run them), except under CONCATFL_REQUIRE_DOCKER=1, which `.ci/run` sets after it
+installs docker.io and starts dockerd: there a missing engine fails the run.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from concatfl.launch import CONNECTION, PROJECT_DIR, FlowerCli
-from concatfl.warm_executor import task_records
+from concatfl import PROJECT_DIR
+from concatfl.deployment.cli import CONNECTION, FlowerCli
+from concatfl.deployment.warm_executor import task_records
 
 from .deploy import make_certificates, misses_of, wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.docker]
 
 PROJECT = "concatfl-e2e"
 SECOND_HOST = "concatfl-e2e-host2"
@@ -149,7 +151,7 @@ def test_stack_is_healthy_with_registered_supernodes_and_a_loopback_only_port(st
     bindings = json.loads(docker("inspect", "-f", "{{json .NetworkSettings.Ports}}", compose.container("superlink")))
     assert [(b["HostIp"], b["HostPort"]) for b in bindings["8000/tcp"]] == [("127.0.0.1", "8000")]
     for supernode in ("supernode-0", "supernode-1"):  # each with its warm executor
-        assert "concatfl.warm_executor" in docker("top", compose.container(supernode))
+        assert "concatfl.deployment.warm_executor" in docker("top", compose.container(supernode))
 
 
 def test_fedcat_job_through_the_submit_service_completes_with_metrics_in_the_outputs_volume(stack):

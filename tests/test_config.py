@@ -74,7 +74,6 @@ INVALID = [
     ({"momentum": -0.9}, "momentum"),
     ({"weight-decay": -1e-4}, "weight-decay"),
     ({"proximal-mu": -0.1}, "proximal-mu"),
-    ({"strategy": "fedprox", "proximal-mu": 0.0}, "proximal-mu"),
     ({"fedcat-k": 1}, "fedcat-k"),
     ({"fedcat-k": -2}, "fedcat-k"),
     ({"fedcat-lambda": 0}, "fedcat-lambda"),

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 
-from concatfl.launch import PROJECT_DIR, FlowerSession, superlink_security
+from concatfl import PROJECT_DIR
+from concatfl.deployment.commands import superlink_security
+from concatfl.deployment.session import FlowerSession
 from concatfl.metrics import read_metrics
 from concatfl.strategies.common import reply_problem
 

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from concatfl.launch import FlowerSession, superlink_security, supernode_security
+from concatfl.deployment.commands import superlink_security, supernode_security
+from concatfl.deployment.session import FlowerSession
 from concatfl.metrics import read_metrics
 
 from .deploy import DEPLOY_EXECUTOR, DEPLOY_RUN, FAST_POLLING, make_certificates, online_node_ids, wait_for

@@ -15,7 +15,11 @@ import sys
 
 import pytest
 
-from concatfl.launch import CONNECTION, PROJECT_DIR, FlowerSession, free_port, superlink_security, supernode_security
+from concatfl import PROJECT_DIR
+from concatfl.deployment.cli import CONNECTION
+from concatfl.deployment.commands import superlink_security, supernode_security
+from concatfl.deployment.processes import free_port
+from concatfl.deployment.session import FlowerSession
 from concatfl.metrics import read_metrics
 
 from .deploy import DEPLOY_EXECUTOR, DEPLOY_RUN, FAST_POLLING, Node, make_certificates, online_node_ids, start_authenticated_node, wait_for

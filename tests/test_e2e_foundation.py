@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from concatfl.launch import SimulationError
+from concatfl.deployment.processes import SimulationError
 
 from .e2e import leftover_processes, run_simulation
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from concatfl import launch
-from concatfl.launch import FlowerSession, SimulationError, main, parse_overrides
+from concatfl.deployment.processes import SimulationError
+from concatfl.deployment.session import FlowerSession
+from concatfl.launch import main, parse_overrides
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from concatfl.config import STRATEGIES, RunConfig
-from concatfl.launch import PROJECT_DIR, readable_log
+from concatfl import PROJECT_DIR
+from concatfl.deployment.cli import colors_wanted, plain, readable_log
 from concatfl.runtime import ServerEnv
 from concatfl.strategies import build_strategy
 from concatfl.strategies.base import summary_value
@@ -153,9 +155,26 @@ def test_launcher_log_of_a_short_run_is_short_and_leaves_no_session_files(tmp_pa
     assert len(lines) <= 13 + 4 + 2, log
     assert sum("[ROUND " in line for line in lines) == 2, log
     assert "tensor" not in log and "Traceback" not in log and "default simulated SuperNodes" not in log
+    assert "\x1b[" not in log  # a pipe is not a terminal: no colour codes in the saved log
     assert lines[-1].endswith(f"metrics: {cwd / 'outputs'}/metrics.json")
     assert (cwd / "outputs" / "metrics.json").exists()
     assert not list(scratch.glob("concatfl-run-*"))
+
+
+def test_colours_only_for_a_terminal_and_never_under_no_color(monkeypatch):
+    class Stream(io.StringIO):
+        def __init__(self, tty: bool) -> None:
+            super().__init__()
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert colors_wanted(Stream(True)) and not colors_wanted(Stream(False))
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not colors_wanted(Stream(True))
+    assert plain(MISSED) == "WARNING :   Node 3 (None) left out: error reply: Exception ClientAppException occurred.\n"
 
 
 def test_a_missed_reply_is_logged_in_one_line_and_recorded_in_full():

@@ -213,7 +213,6 @@ def test_only_objectives_that_keep_the_received_model_build_a_copy_of_it(name, o
         ({"strategy": "scaffold", "local-objective": "moon"}, ("strategy", "local-objective")),
         ({"strategy": "scaffold", "proximal-mu": 0.1}, ("strategy", "proximal-mu")),
         ({"strategy": "fedprox", "proximal-mu": 0.1, "local-objective": "feddyn"}, ("strategy", "local-objective")),
-        ({"local-objective": "fedprox"}, ("local-objective", "proximal-mu")),
         ({"local-objective": "moon", "proximal-mu": 0.1}, ("local-objective", "proximal-mu")),
         ({"local-objective": "fedrs", "strategy": "fedconcat-id"}, ("local-objective", "strategy")),
         ({"local-objective": "adam"}, ("local-objective",)),

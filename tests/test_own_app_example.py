@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from concatfl.launch import PROJECT_DIR, run_simulation
+from concatfl import PROJECT_DIR
+from concatfl.launch import run_simulation
 
 from .e2e import leftover_processes
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from concatfl.launch import PROJECT_DIR, free_port
+from concatfl import PROJECT_DIR
+from concatfl.deployment.processes import free_port
 from concatfl.metrics import read_metrics
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ import pytest
 from flwr.app import Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 
-from concatfl.stable_grid import StableNodeGrid
+from concatfl.deployment.grid import StableNodeGrid
 
 from .fakes import BIG_IDS, FakeGrid, Later, reply_with
 

@@ -1,52 +1,78 @@
 """concatfl's SuperNode launcher and the ServerApp's reply backoff: Flower 1.42's fixed waits, shortened.
 
 The launcher and `use_short_reply_backoff` replace sleeps and a backoff found by value in Flower's
-own modules; the tests below read those modules' source so that a Flower upgrade that moves or
-changes them fails here, not silently in deployment. Real SuperNodes run through the launcher in
+own modules. Before they do, `concatfl.deployment.compat` reads those modules' source: the
+installed Flower must have the expected shape (checked here, so an upgrade that changes it shows
+up in the suite), and a Flower that differs keeps its own waits with a warning instead of being
+refused (tested here on modules of another shape). Real SuperNodes run through the launcher in
 every deployment test that uses the warm executor (tests/deploy.py's default).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
+import time
 import types
 
 import flwr.superlink.grid.http_grid as http_grid
 import pytest
 
-import concatfl.supernode as supernode
-from concatfl.stable_grid import StableNodeGrid, use_short_reply_backoff
-from concatfl.warm_executor import SHORT_PULL_BACKOFF, UntestedFlowerVersion, check_flower_version
+import concatfl.deployment.supernode as supernode
+from concatfl.deployment.grid import StableNodeGrid, use_short_reply_backoff
+from concatfl.deployment.compat import calls, clientapp_steps_problem, grid_pull_problem, supernode_loop_problem
+from concatfl.deployment.warm_executor import SHORT_PULL_BACKOFF
 
 from .fakes import FakeGrid
 
 SUPERNODE_LOOP = importlib.import_module("flwr.supernode.start_client_internal")
 
 
-def calls(module: types.ModuleType, name: str) -> list[ast.Call]:
-    """Calls of `name` (a plain name, or `x.name`) in `module`'s source."""
-    found = []
-    for node in ast.walk(ast.parse(inspect.getsource(module))):
-        if isinstance(node, ast.Call):
-            function = node.func
-            called = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)
-            if called == name:
-                found.append(node)
-    return found
-
-
-def test_the_tested_supernode_loop_has_exactly_the_sleeps_and_pull_the_launcher_replaces():
+def test_the_installed_flower_has_the_shape_every_adjustment_expects():
     sleeps = sorted(ast.literal_eval(call.args[0]) for call in calls(SUPERNODE_LOOP, "sleep"))
     assert sleeps == [supernode.FLOWER_CHECK_SLEEP, supernode.FLOWER_CHECK_SLEEP, supernode.FLOWER_IDLE_SLEEP]
-    (pull,) = calls(SUPERNODE_LOOP, "pull_objects")
-    assert not {keyword.arg for keyword in pull.keywords} & set(SHORT_PULL_BACKOFF)
+    assert supernode_loop_problem(SUPERNODE_LOOP) is None
+    assert grid_pull_problem(http_grid) is None
+    assert clientapp_steps_problem() is None
 
 
-def test_flowers_grid_pulls_reply_objects_with_its_default_backoff():
-    (pull,) = calls(http_grid, "pull_objects")
-    assert not {keyword.arg for keyword in pull.keywords} & set(SHORT_PULL_BACKOFF)
+def changed_loop(source: str) -> types.ModuleType:
+    """A module whose source is `source`, as a Flower of another shape would have it."""
+    module = types.ModuleType("changed_loop")
+    exec(compile(source, "<changed>", "exec"), module.__dict__)  # noqa: S102  (test input)
+    module.__dict__["__source__"] = source
+    return module
+
+
+@pytest.mark.parametrize(
+    ("source", "problem"),
+    [
+        ("import time\ndef loop():\n    time.sleep(3)\n    time.sleep(0.5)\n", "fixed sleeps [0.5, 3]"),
+        ("import time\ndef loop():\n    time.sleep(3)\n    time.sleep(0.5)\n    time.sleep(0.5)\n", "0 calls of pull_objects"),
+        ("import time\ndef loop(pull_objects):\n    time.sleep(3)\n    time.sleep(0.5)\n    time.sleep(0.5)\n"
+         "    pull_objects(1, 2, initial_backoff=1)\n", "already called with a backoff"),
+    ],
+)
+def test_a_loop_of_another_shape_keeps_flowers_waits_with_a_warning(monkeypatch, capsys, source, problem):
+    monkeypatch.setattr(inspect, "getsource", lambda module: module.__dict__["__source__"])
+    loop = changed_loop(source)
+    assert problem in supernode_loop_problem(loop)
+    assert not supernode.adjust(loop, idle_poll=0.2)
+    assert f"({supernode_loop_problem(loop)}); running it with Flower's own waits" in capsys.readouterr().err
+    assert not hasattr(loop, "pull_objects") or not isinstance(loop.pull_objects, functools.partial)
+    assert loop.time is time  # the waits are Flower's
+
+
+def test_a_loop_of_the_known_shape_is_adjusted(monkeypatch):
+    source = ("import time\ndef pull_objects(*args, **kwargs):\n    pass\ndef loop():\n    time.sleep(3)\n"
+              "    time.sleep(0.5)\n    time.sleep(0.5)\n    pull_objects(1, 2)\n")
+    monkeypatch.setattr(inspect, "getsource", lambda module: module.__dict__["__source__"])
+    loop = changed_loop(source)
+    assert supernode.adjust(loop, idle_poll=0.2)
+    assert loop.time is not time and loop.pull_objects.keywords == SHORT_PULL_BACKOFF
+    assert not supernode.adjust(changed_loop(source), idle_poll=None)  # CONCATFL_SUPERNODE_WAITS=flower
 
 
 def test_each_fixed_sleep_maps_to_its_short_wait():
@@ -85,16 +111,17 @@ def test_the_launcher_refuses_a_bad_setting_before_starting(monkeypatch, capsys)
     monkeypatch.setenv("CONCATFL_SUPERNODE_IDLE_POLL", "-1")
     assert supernode.main() == 2
     assert "CONCATFL_SUPERNODE_IDLE_POLL must be" in capsys.readouterr().err
-    with pytest.raises(UntestedFlowerVersion, match=r"SuperNode loop, but flwr 1\.43\.0 is installed"):
-        check_flower_version("1.43.0", component="x", mirrors="SuperNode loop")
 
 
-def test_the_short_reply_backoff_is_set_for_the_tested_flower_only(monkeypatch):
+def test_the_short_reply_backoff_is_set_where_the_grid_has_the_known_shape(monkeypatch):
     monkeypatch.setattr(http_grid, "pull_objects", http_grid.pull_objects)
     flowers = http_grid.pull_objects
-    assert not use_short_reply_backoff("1.43.0") and http_grid.pull_objects is flowers
-    assert use_short_reply_backoff("1.42.0")
+    assert use_short_reply_backoff()
     assert http_grid.pull_objects.func is flowers and http_grid.pull_objects.keywords == SHORT_PULL_BACKOFF
+    monkeypatch.setattr(inspect, "getsource", lambda module: module.__dict__["__source__"])
+    other = changed_loop("def pull_messages(pull_objects):\n    pull_objects(1, backoff_cap=3)\n")
+    other.pull_objects = flowers
+    assert not use_short_reply_backoff(other) and other.pull_objects is flowers
 
 
 def test_a_simulation_grid_leaves_flowers_backoff_alone(monkeypatch):

@@ -1,4 +1,4 @@
-"""concatfl's warm ClientApp executor (concatfl/warm_executor.py) with real Flower processes.
+"""concatfl's warm ClientApp executor (concatfl/deployment/warm_executor.py) with real Flower processes.
 
 Each deployment runs a real SuperLink and SuperNodes (`--isolation process`) with a warm
 executor beside every SuperNode; tests/apps/stateful scripts the messages (count in
@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from concatfl.launch import PROJECT_DIR, FlowerSession, warm_executor_command
-from concatfl.warm_executor import (
+from concatfl import PROJECT_DIR
+from concatfl.deployment.commands import warm_executor_command
+from concatfl.deployment.session import FlowerSession
+from concatfl.deployment.warm_executor import (
     AppRef,
     TaskReport,
-    UntestedFlowerVersion,
-    check_flower_version,
+    main,
     parse_args,
     task_records,
 )
@@ -31,10 +32,24 @@ STATEFUL_APP = PROJECT_DIR / "tests/apps/stateful"
 CRASHED = "ClientApp stopped responding."
 
 
-def test_an_untested_flower_version_is_refused_with_the_way_out():
-    check_flower_version("1.42.0")
-    with pytest.raises(UntestedFlowerVersion, match=r"flwr 1\.43\.0 is installed.*--isolation subprocess"):
-        check_flower_version("1.43.0")
+def test_a_flower_of_another_shape_runs_flowers_own_superexec_with_the_same_connection(monkeypatch):
+    import concatfl.deployment.compat as compat
+    import concatfl.deployment.warm_executor as warm_executor
+
+    monkeypatch.setattr(compat, "clientapp_steps_problem", lambda: "flwr.cli.install.install_from_fab is gone")
+    executed = []
+
+    def execvp(program, arguments):
+        executed.append((program, arguments))
+        raise SystemExit(0)  # exec never returns
+
+    monkeypatch.setattr(warm_executor.os, "execvp", execvp)
+    with pytest.raises(SystemExit):
+        main(["--runtime-api-address", "127.0.0.1:9094", "--root-certificates", "/certs/ca.crt", "--parent-pid", "42"])
+    assert executed == [("flower-superexec", [
+        "flower-superexec", "--runtime-api-address", "127.0.0.1:9094", "--root-certificates", "/certs/ca.crt",
+        "--parent-pid", "42",
+    ])]
 
 
 def test_bad_arguments_name_the_flag(capsys):
@@ -56,7 +71,7 @@ def test_task_reports_and_records_survive_their_text_form():
 
 def test_the_launcher_starts_the_executor_as_a_module_that_exits_with_its_supernode():
     command = warm_executor_command(9094, 4321)
-    assert command[1:3] == ["-m", "concatfl.warm_executor"]
+    assert command[1:3] == ["-m", "concatfl.deployment.warm_executor"]
     assert parse_args(command[3:]).parent_pid == 4321
     with pytest.raises(ValueError, match="executor must be one of stock, warm, got 'hot'"):
         FlowerSession(Path("/tmp"), simulation=False, executor="hot")

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ..data.datasets import DATASETS
-from ..launch import exit_on_sigterm, parse_overrides
+from ..deployment.cli import plain_flower_logs
+from ..deployment.processes import exit_on_sigterm
+from ..launch import parse_overrides
 from . import overhead, robustness, stability
 from .inprocess import simulate_in_process
 from .report import write_report
@@ -59,6 +61,7 @@ def dry_run(
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, run (or list) the suite, print its table."""
     exit_on_sigterm()
+    plain_flower_logs()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [overhead.SUITE]:
         return overhead.main(argv[1:])

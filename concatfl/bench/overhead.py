@@ -51,7 +51,7 @@ from flwr.app import ArrayRecord
 
 from ..config import RunConfig
 from ..data.datasets import DATASETS
-from ..launch import PROJECT_DIR
+from .. import PROJECT_DIR
 from ..metrics import METRICS_FILE
 from ..runtime import ServerEnv, load_client_data
 from ..strategies.common import weighted_average

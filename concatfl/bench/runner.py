@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..data.datasets import DatasetNotFoundError
-from ..launch import SimulationError, run_simulation
+from ..deployment.processes import SimulationError
+from ..launch import run_simulation
 from ..metrics import METRICS_FILE, read_metrics
 from .data import ensure_available, write_subsample
 from .report import write_report

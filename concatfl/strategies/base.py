@@ -48,6 +48,7 @@ from .common import (
     sample_nodes,
     to_messages,
 )
+from ..config import DEFAULT_ROUND_TIMEOUT
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP, ReplyGuard
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
@@ -65,7 +66,7 @@ class RelayStrategy(Strategy):
         `evaluate_fn` is the main measure in concatfl.
     round_timeout : float | None (default: None)
         Seconds to wait for the replies of one hop; a reply that does not come in time is a
-        miss. None waits for every reply.
+        miss. None: `start()`'s timeout (default 600 s, as the run config's `round-timeout`).
     seed : int (default: 0)
         Seed of the strategy's one random generator (`self.rng`): every random choice on the
         server draws from it, so a run is reproducible.
@@ -292,7 +293,7 @@ class RelayStrategy(Strategy):
         grid: Grid,
         initial_arrays: ArrayRecord,
         num_rounds: int = 3,
-        timeout: float = 3600,
+        timeout: float = DEFAULT_ROUND_TIMEOUT,
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: EvaluateFn | None = None,
@@ -300,7 +301,8 @@ class RelayStrategy(Strategy):
         """Run `num_rounds` rounds and return Flower's `Result`.
 
         `timeout` is used as the per-hop timeout when the strategy was built without a
-        `round_timeout`. `evaluate_fn(round, arrays)` is called on the initial model and after
+        `round_timeout` (default DEFAULT_ROUND_TIMEOUT, the run config's `round-timeout`, where
+        Flower's strategies default to 3600 s). `evaluate_fn(round, arrays)` is called on the initial model and after
         every round that changed the global model.
         """
         if self.round_timeout is None:

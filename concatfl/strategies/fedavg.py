@@ -8,6 +8,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
+from ..config import FEDPROX_DEFAULT_MU
 from . import feddyn as feddyn_server
 from .base import RelayStrategy
 from .common import (
@@ -145,7 +146,7 @@ class FedProx(FedAvg):
     Parameters are FedAvg's; `proximal_mu` (default 0.01) must be > 0.
     """
 
-    def __init__(self, proximal_mu: float = 0.01, **kwargs: Any) -> None:
+    def __init__(self, proximal_mu: float = FEDPROX_DEFAULT_MU, **kwargs: Any) -> None:
         if proximal_mu <= 0:
             raise ValueError(f"FedProx needs proximal_mu > 0, got {proximal_mu}")
         super().__init__(proximal_mu=proximal_mu, **kwargs)

@@ -17,7 +17,7 @@ from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
-from ..config import parse_hop_step
+from ..config import DEFAULT_ROUND_TIMEOUT, parse_hop_step
 from ..core.fedcat import (
     CountTable,
     cycle_offset,
@@ -242,7 +242,7 @@ class FedCat(RelayStrategy):
         grid: Grid,
         initial_arrays: ArrayRecord,
         num_rounds: int = 3,
-        timeout: float = 3600,
+        timeout: float = DEFAULT_ROUND_TIMEOUT,
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: EvaluateFn | None = None,

@@ -41,6 +41,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 from torch import nn
 
+from ..config import DEFAULT_ROUND_TIMEOUT
 from ..core.clustering import assign_clusters, infer_label_distribution
 from ..core.concat import (
     CLASSIFIER_WEIGHT,
@@ -695,7 +696,7 @@ class FedConcat(RelayStrategy):
         grid: Grid,
         initial_arrays: ArrayRecord,
         num_rounds: int = 3,
-        timeout: float = 3600,
+        timeout: float = DEFAULT_ROUND_TIMEOUT,
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: EvaluateFn | None = None,

@@ -18,7 +18,7 @@ from functools import partial
 import concatfl.server_app as server_app
 import concatfl.strategies.base as base
 from concatfl.server_app import app
-from concatfl.stable_grid import StableNodeGrid
+from concatfl.deployment.grid import StableNodeGrid
 
 __all__ = ["app"]  # the ServerApp Flower loads
 

@@ -21,7 +21,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from concatfl.client_app import query_handler
-from concatfl.stable_grid import StableNodeGrid
+from concatfl.deployment.grid import StableNodeGrid
 
 ACTIONS = ("count", "raise", "exit")
 COUNTER = "counter"

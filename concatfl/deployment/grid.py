@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import time
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
@@ -41,12 +42,11 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore import log
 from flwr.supercore.inflatable.inflatable_utils import pull_objects
-from flwr.supercore.version import package_version
 
-from .warm_executor import SHORT_PULL_BACKOFF, TESTED_FLOWER_VERSIONS
+from ..protocol import IDENTITY_QUERY, PARTITION_ID_KEY
+from .compat import grid_pull_problem
+from .warm_executor import SHORT_PULL_BACKOFF
 
-IDENTITY_QUERY = "identity"
-PARTITION_ID_KEY = "partition-id"
 # Errors that say the query or its reply was lost on the way, not what the ClientApp answered.
 LOST_QUERY_ERRORS = (
     ErrorCode.MESSAGE_UNAVAILABLE,
@@ -260,14 +260,15 @@ class StableNodeGrid(Grid):
         return self.grid.create_message(*args, **kwargs)
 
 
-def use_short_reply_backoff(version: str = package_version) -> bool:
-    """Make `HttpGrid` pull reply objects with SHORT_PULL_BACKOFF (0.05 s, doubling up to 0.1 s) if
-    `version` is a tested Flower version (whose `HttpGrid.pull_messages` calls the module's
-    `pull_objects` with the default backoff); return whether it does."""
-    if version not in TESTED_FLOWER_VERSIONS:
-        log(WARNING, "Flower %s is untested here: reply objects are pulled with Flower's own backoff", version)
+def use_short_reply_backoff(module: types.ModuleType = http_grid) -> bool:
+    """Make Flower's deployment grid `module` pull reply objects with SHORT_PULL_BACKOFF (0.05 s,
+    doubling up to 0.1 s) if its code has the shape this adjusts (`compat.grid_pull_problem`: one
+    `pull_objects` call with the default backoff); return whether it does."""
+    if (problem := grid_pull_problem(module)) is not None:
+        log(WARNING, "Flower's deployment grid differs from the one concatfl adjusts (%s): reply objects "
+            "are pulled with Flower's own backoff", problem)
         return False
-    http_grid.pull_objects = functools.partial(pull_objects, **SHORT_PULL_BACKOFF)
+    module.pull_objects = functools.partial(pull_objects, **SHORT_PULL_BACKOFF)
     return True
 
 

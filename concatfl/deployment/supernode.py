@@ -1,4 +1,4 @@
-"""Flower's SuperNode with short fixed waits:  python -m concatfl.supernode [flower-supernode flags]
+"""Flower's SuperNode with short fixed waits:  python -m concatfl.deployment.supernode [flower-supernode flags]
 
 Flower 1.42's SuperNode loop (`flwr/supernode/start_client_internal.py`) waits with sleeps written
 into the code, none of them a setting:
@@ -18,10 +18,11 @@ only those waits replaced, in that one module:
   more per idle node, so the cheaper interval is the default;
 - the 0.5 s checks by 0.05 s (they read the SuperNode's own memory);
 - the object-pull backoff by `SHORT_PULL_BACKOFF` (0.05 s doubling up to 0.1 s).
-It refuses Flower versions other than the one whose loop it was checked against
-(`tests/test_supernode.py` finds exactly these sleeps and this pull in it).
-`CONCATFL_SUPERNODE_WAITS=flower` keeps Flower's waits (the fallback, and the comparison in
-scripts/deploy_latency.py).
+Before it changes anything it reads the installed loop's source
+(`concatfl.deployment.compat.supernode_loop_problem`): a Flower whose loop has exactly these
+sleeps and this pull is adjusted, whatever its version; one whose loop changed runs with
+Flower's own waits and a warning. `CONCATFL_SUPERNODE_WAITS=flower` keeps Flower's waits (the
+comparison in scripts/deploy_latency.py).
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ import time
 import types
 from collections.abc import Mapping
 
-from .warm_executor import SHORT_PULL_BACKOFF, UntestedFlowerVersion, check_flower_version
+from .compat import supernode_loop_problem
+from .warm_executor import SHORT_PULL_BACKOFF
 
 WAITS_ENV = "CONCATFL_SUPERNODE_WAITS"  # "short" (default) or "flower"
 IDLE_POLL_ENV = "CONCATFL_SUPERNODE_IDLE_POLL"
 DEFAULT_IDLE_POLL = 0.2
 IDLE_POLL_RANGE = (0.01, 3.0)
-# Flower's idle poll and its reply/object checks, as written in start_client_internal.py.
+# Flower's idle poll and its reply/object checks, as written in start_client_internal.py
+# (compat.SUPERNODE_SLEEPS).
 FLOWER_IDLE_SLEEP = 3
 FLOWER_CHECK_SLEEP = 0.5
 CHECK_INTERVAL = 0.05
@@ -85,24 +88,31 @@ def shorten_waits(module: types.ModuleType, idle_poll: float) -> None:
     module.pull_objects = functools.partial(module.pull_objects, **SHORT_PULL_BACKOFF)  # type: ignore[attr-defined]
 
 
+def adjust(module: types.ModuleType, idle_poll: float | None) -> bool:
+    """Shorten the waits of the SuperNode loop `module` when asked (`idle_poll` not None) and
+    when its code has the shape this launcher knows; else leave Flower's waits (a warning says
+    why, when they were asked for). Returns whether the waits were shortened."""
+    if idle_poll is None:
+        return False
+    if (problem := supernode_loop_problem(module)) is not None:
+        print(f"warning: this Flower's SuperNode loop is not the one concatfl's launcher adjusts ({problem}); "
+              "running it with Flower's own waits", file=sys.stderr)
+        return False
+    shorten_waits(module, idle_poll)
+    return True
+
+
 def main() -> int:
-    """Check the Flower version and the setting, shorten the waits, run `flower-supernode`."""
+    """Read the setting, shorten the waits where the loop allows it, run `flower-supernode`."""
     try:
         idle_poll = idle_poll_from_env(os.environ)
-        if idle_poll is not None:
-            check_flower_version(
-                component="concatfl's SuperNode launcher",
-                mirrors="SuperNode loop (it shortens its fixed waits)",
-                instead=f"Set {WAITS_ENV}=flower or run `flower-supernode` itself instead.",
-            )
-    except (UntestedFlowerVersion, ValueError) as error:
+    except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     # pylint: disable=import-outside-toplevel
     from flwr.supernode.cli import flower_supernode
 
-    if idle_poll is not None:
-        shorten_waits(importlib.import_module("flwr.supernode.start_client_internal"), idle_poll)
+    adjust(importlib.import_module("flwr.supernode.start_client_internal"), idle_poll)
     sys.argv[0] = "flower-supernode"
     flower_supernode()
     return 0

@@ -6,7 +6,7 @@ seconds per message. This executor takes the SuperExec's place next to a SuperNo
 `--isolation process`:
 
     flower-supernode --isolation process --port 9094 --superlink ... --node-config ...
-    python -m concatfl.warm_executor --runtime-api-address 127.0.0.1:9094 --insecure
+    python -m concatfl.deployment.warm_executor --runtime-api-address 127.0.0.1:9094 --insecure
 
 A light supervisor claims the SuperNode's ClientApp tasks through the Runtime API
 (`AcquireTask`, exactly as `flower-superexec` does) and hands each task's token to one worker
@@ -24,7 +24,9 @@ Flower's guarantees, kept:
   task it was running gets Flower's own "ClientApp stopped responding" error reply once its
   heartbeat expires, and later tasks run in the new worker;
 - a task of another app version (a different FAB hash) gets a fresh worker: Python caches the
-  imported modules, so a worker never runs two FABs.
+  imported modules, so a worker never runs two FABs;
+- on a Flower whose ClientApp steps changed shape (`concatfl.deployment.compat`), the executor
+  runs Flower's own `flower-superexec` instead, with a warning.
 
 Only the standard library and `flwr` are imported at module level: the worker runs this file as
 a script (`python -P`), so the ClientApp's own modules (concatfl's included) are imported from
@@ -50,7 +52,6 @@ from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from flwr.supercore.version import package_version
 
 if TYPE_CHECKING:
     from flwr.app import Context, Message
@@ -58,9 +59,6 @@ if TYPE_CHECKING:
     from flwr.supercore.run import Run
     from flwr.supercore.runtime import RuntimeHttpClient
 
-# Flower versions whose task steps this executor was tested against: the steps below mirror
-# `flwr/supernode/runtime/run_clientapp.py` of these versions.
-TESTED_FLOWER_VERSIONS = ("1.42.0",)
 # Object-pull backoff while the sender is still uploading a message's objects (a message is listed
 # before its objects arrive): retry after 0.05 s, doubling up to 0.1 s. Flower's default
 # (supercore/constant.py) starts at 1 s and doubles up to 10 s, tuned for a new process per
@@ -80,27 +78,6 @@ RESTART_PAUSE = 2.0
 # Every finished task is logged as this prefix and one JSON object (task id, status, claimed_at
 # (Unix time), seconds from claim to report, steps, worker_pid, worker_rss_mib): see `task_records`.
 TASK_LOG_PREFIX = "task record"
-
-
-class UntestedFlowerVersion(RuntimeError):
-    """The installed Flower is not one whose code a concatfl component mirrors or adjusts."""
-
-
-def check_flower_version(
-    version: str = package_version,
-    *,
-    component: str = "concatfl's warm executor",
-    mirrors: str = "ClientApp task steps",
-    instead: str = "Run the SuperNode with its stock executor "
-    "(`--isolation subprocess`, or `flower-superexec` next to `--isolation process`) instead.",
-) -> None:
-    """Raise UntestedFlowerVersion unless `version` is one of TESTED_FLOWER_VERSIONS; the message
-    says what `component` depends on (`mirrors`) and what to run `instead`."""
-    if version not in TESTED_FLOWER_VERSIONS:
-        raise UntestedFlowerVersion(
-            f"{component} mirrors Flower {', '.join(TESTED_FLOWER_VERSIONS)}'s {mirrors}, "
-            f"but flwr {version} is installed. {instead}"
-        )
 
 
 @dataclass(frozen=True)
@@ -496,6 +473,17 @@ def log(level: int, message: str, *args: object, **kwargs: object) -> None:
     flower_log(level, "[warm-executor] " + message, *args, **kwargs)
 
 
+def stock_superexec_command(args: argparse.Namespace) -> list[str]:
+    """`flower-superexec` with this executor's connection flags (what Flower runs without it)."""
+    command = ["flower-superexec", "--runtime-api-address", args.runtime_api_address]
+    command += ["--insecure"] if args.insecure else ["--root-certificates", args.root_certificates]
+    if args.superexec_auth_secret_file:
+        command += ["--superexec-auth-secret-file", args.superexec_auth_secret_file]
+    if args.parent_pid is not None:
+        command += ["--parent-pid", str(args.parent_pid)]
+    return command
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The SuperExec's flags, plus the idle poll interval (and the worker's private flags)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
@@ -522,13 +510,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: the supervisor (default) or, with --worker, one worker."""
+    """Command line: the supervisor (default) or, with --worker, one worker.
+
+    The supervisor first checks that the installed Flower still has the task steps a worker runs
+    (`concatfl.deployment.compat`); where it does not, it becomes Flower's own `flower-superexec`
+    with the same connection (one process per task, Flower's behaviour), with a warning.
+    """
     args = parse_args(argv)
-    try:
-        check_flower_version()
-    except UntestedFlowerVersion as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    if not args.worker:
+        from concatfl.deployment.compat import clientapp_steps_problem  # pylint: disable=import-outside-toplevel
+
+        if (problem := clientapp_steps_problem()) is not None:
+            log(WARNING, "this Flower's ClientApp steps differ from those the warm executor runs (%s); "
+                "running Flower's own flower-superexec instead", problem)
+            os.execvp("flower-superexec", stock_superexec_command(args))
     # pylint: disable=import-outside-toplevel
     from flwr.supercore.app_utils import start_parent_process_monitor
     from flwr.supercore.auth.superexec_secret import load_superexec_auth_secret

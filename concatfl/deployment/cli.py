@@ -1,0 +1,230 @@
+"""The `flwr` CLI pointed at one SuperLink (`FlowerCli`): submit a run, follow its log, wait for
+it to end and require `finished:completed` (`flwr run` returns at once and exits 0 even when a
+run later fails), register SuperNode keys; and the run log as a person wants to read it."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import tomli_w
+from flwr.supercore.logger import update_console_handler
+
+from .. import PROJECT_DIR
+from .commands import flower_env
+from .processes import SimulationError, in_namespace, stop_process_tree
+
+CONNECTION = "concatfl-sim"
+
+
+class FlowerCli:
+    """The `flwr` CLI pointed at one SuperLink, with its own FLWR_HOME under `workdir`.
+
+    Parameters
+    ----------
+    workdir : path
+        Where the CLI's FLWR_HOME (and the files it writes: run configs, logs) go.
+    address : str
+        host:port of the SuperLink's Control API.
+    root_certificates : path | None (default: None)
+        CA certificate the CLI trusts; None talks to an `--insecure` SuperLink.
+    cli_netns : str | None (default: None)
+        Network namespace the CLI runs in (multi-host tests); None is the caller's own.
+    env : Mapping[str, str] | None (default: None)
+        Extra environment for every process this object starts.
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        address: str,
+        *,
+        root_certificates: str | os.PathLike | None = None,
+        cli_netns: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.workdir = Path(workdir).resolve()
+        self.flwr_home = self.workdir / "flwr-home"
+        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        self.env = {**flower_env(self.flwr_home), **(env or {})}
+        self.cli_netns = cli_netns
+        tls = f'root-certificates = "{root_certificates}"' if root_certificates else "insecure = true"
+        (self.flwr_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{address}"\n{tls}\n'
+        )
+
+    def register_supernode(self, public_key: str | os.PathLike) -> int:
+        """Register a SuperNode's public key (SuperNode authentication); returns its node id."""
+        registered = json.loads(self.flwr(["supernode", "register", str(public_key), CONNECTION, "--format", "json"]))
+        if not registered.get("success"):  # the CLI exits 0 even when it failed
+            raise SimulationError(f"registering {public_key} failed: {registered.get('error-message')}")
+        return int(registered["node-id"])
+
+    def supernodes(self) -> list[dict[str, Any]]:
+        """The SuperLink's node list (`flwr supernode ls`): one dict per node, with its status."""
+        return list(json.loads(self.flwr(["supernode", "ls", CONNECTION, "--format", "json"]))["nodes"])
+
+    def flwr(self, args: list[str], timeout: float = 120) -> str:
+        """Run the `flwr` CLI against this SuperLink; fail with its output on error."""
+        done = subprocess.run(
+            in_namespace(["flwr", *args], self.cli_netns), env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+        if done.returncode != 0:
+            raise SimulationError(f"`flwr {' '.join(args)}` failed:\n{done.stdout}\n{done.stderr}")
+        return done.stdout
+
+    def submit(
+        self, run_config: Mapping[str, Any], app_dir: str | os.PathLike = PROJECT_DIR, federation_config: str = ""
+    ) -> str:
+        """`flwr run` with these overrides (written to a TOML file); returns the run id."""
+        config_file = self.workdir / "run-config.toml"
+        config_file.write_text(tomli_w.dumps(dict(run_config)))
+        args = ["run", str(app_dir), CONNECTION, "--run-config", str(config_file), "--format", "json"]
+        if federation_config:
+            args += ["--federation-config", federation_config]
+        submitted = json.loads(self.flwr(args))
+        if not submitted.get("success"):
+            raise SimulationError(f"run submission failed: {submitted.get('error-message')}")
+        return str(submitted["run-id"])
+
+    def status(self, run_id: str) -> str:
+        """The SuperLink's status of a run, e.g. `running` or `finished:completed`."""
+        listing = json.loads(self.flwr(["ls", CONNECTION, "--run-id", run_id, "--format", "json"]))
+        return str(listing["runs"][0]["status"])
+
+    def wait(self, run_id: str, *, stream: bool = False, timeout: float | None = None) -> None:
+        """Wait for the run to finish (printing its log when `stream`); require completed.
+
+        `timeout` (seconds) gives up on a run that has not finished by then; None waits as
+        long as the run takes.
+        """
+        follower = (
+            subprocess.Popen(
+                in_namespace(["flwr", "log", run_id, CONNECTION, "--stream"], self.cli_netns),
+                env=self.env,
+                stdout=subprocess.PIPE,
+                start_new_session=True,
+            )
+            if stream
+            else None
+        )
+        printer = _print_log_in_background(follower.stdout) if follower is not None else None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # Each status check starts a `flwr` CLI process (~1 s of CPU): back off to one per 5 s.
+        pause = 1.0
+        try:
+            while not (status := self.status(run_id)).startswith("finished"):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise SimulationError(f"run {run_id} did not finish within {timeout} s")
+                time.sleep(pause)
+                pause = min(pause * 1.5, 5.0)
+            if follower is not None:
+                follower.wait(timeout=30)
+        finally:
+            if follower is not None:
+                stop_process_tree(follower)
+            if printer is not None:
+                printer.join(timeout=10)
+        if status != "finished:completed":
+            if stream:  # the log, with the error, was just printed
+                raise SimulationError(f"run {run_id} ended {status!r}; the error is in its log above")
+            log_text = self.flwr(["log", run_id, CONNECTION], timeout=60)
+            raise SimulationError(f"run {run_id} ended {status!r}; log tail:\n{log_text[-4000:]}")
+
+
+# Lines of Flower's run log that say nothing about this run: Flower 1.42 warns about the changed
+# default federation size on every simulation, even when the size is given (as the launcher always
+# does), reports installing the app into the launcher's private FLWR_HOME, ends with an empty
+# log line, and (depending on timing) reports Ray stopping its client actors after the run.
+NOISE = re.compile(
+    r"INFO[^:]*:\s*$"
+    r"|Manually terminating ClientAppActor"
+    r"|Since flwr 1\.32, default simulated SuperNodes changed"
+    r"|To change federation size, use the following command"
+    r"|flwr federation simulation-config"
+    r"|Successfully installed concatfl to "
+)
+
+
+# The first line of a log record (Flower's, or a Ray worker's "(ClientAppActor pid=…)" relay of
+# one); other lines continue the record before them (tracebacks).
+ANSI_CODE = re.compile(r"\x1b\[[\d;]*m")
+RECORD = re.compile(r"^(?:\x1b\[[\d;]*m)?(?:\(\w+ pid=\d+\)|(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\b)")
+# Flower logs a ClientApp that raised as three ERROR records of ~40 lines each: this notice, the
+# exception and its traceback.
+CLIENT_FAILURE = "An exception was raised when processing a message by"
+CLIENT_FAILURE_RECORDS = 3
+
+
+def readable_log(lines: Iterable[str]) -> Iterator[str]:
+    """The lines of a run's log worth showing a user: `NOISE` left out, and each ClientApp
+    failure's tracebacks shortened to one line with the error's message (the strategy then logs
+    the missed reply, whose reason in metrics.json keeps the full traceback)."""
+    failure: list[str] = []  # the lines of the ClientApp failure being read
+    records_left = 0  # its records not yet started
+    for line in lines:
+        starts_record = bool(RECORD.match(line))
+        if starts_record and CLIENT_FAILURE in line:
+            if failure:
+                yield _failure_line(failure)
+            failure, records_left = [], CLIENT_FAILURE_RECORDS
+        if failure or records_left:
+            if not starts_record or records_left:
+                records_left -= starts_record
+                failure.append(line)
+                continue
+            yield _failure_line(failure)  # a record after the failure's last one
+            failure = []
+        if not NOISE.search(line):
+            yield line
+    if failure:
+        yield _failure_line(failure)
+
+
+def _failure_line(records: list[str]) -> str:
+    """One line for a ClientApp failure: its level prefix and the last line of its traceback."""
+    prefix = records[0][: records[0].index(CLIENT_FAILURE)]
+    message = next(line.strip() for line in reversed(records) if line.strip())
+    return f"{prefix}ClientApp error (traceback left out): " + message.removesuffix("'>") + "\n"
+
+
+def colors_wanted(stream: IO[str]) -> bool:
+    """Colour codes only for a terminal, and not where NO_COLOR is set (no-color.org)."""
+    return stream.isatty() and not os.environ.get("NO_COLOR")
+
+
+def plain(line: str) -> str:
+    """`line` without ANSI colour codes (Flower colours its level names even in a file)."""
+    return ANSI_CODE.sub("", line)
+
+
+def plain_flower_logs() -> None:
+    """Turn off the colours of this process's Flower log lines when they do not go to a terminal."""
+    if not colors_wanted(sys.stderr):
+        update_console_handler(colored=False)
+
+
+def _print_log_in_background(stream: IO[bytes] | None) -> threading.Thread:
+    """Copy a streamed run log to stdout, without `NOISE`, as it arrives (without colour codes
+    when stdout is not a terminal)."""
+    colored = colors_wanted(sys.stdout)
+
+    def copy() -> None:
+        assert stream is not None
+        with stream:
+            for line in readable_log(io.TextIOWrapper(stream, errors="replace")):
+                sys.stdout.write(line if colored else plain(line))
+                sys.stdout.flush()
+
+    printer = threading.Thread(target=copy, daemon=True)
+    printer.start()
+    return printer

@@ -1,0 +1,80 @@
+"""Processes that concatfl starts, and how it stops them: on success, failure, SIGTERM, SIGINT
+and timeout alike (the SuperLink starts the simulation runtime in a session of its own, so a
+process is stopped with every descendant it has)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+
+class SimulationError(RuntimeError):
+    """The run did not finish as completed; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def in_namespace(command: list[str], netns: str | None) -> list[str]:
+    """`command` run inside network namespace `netns` (`ip netns exec` keeps the PID)."""
+    return ["ip", "netns", "exec", netns, *command] if netns else command
+
+
+def stop_process_tree(process: subprocess.Popen[bytes]) -> None:
+    """Stop a process and all its descendants.
+
+    The SuperLink starts the simulation runtime in a session of its own, so killing the
+    process group is not enough: every descendant is collected first, then terminated.
+    """
+    try:
+        root = psutil.Process(process.pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.terminate()
+    _, alive = psutil.wait_procs(family, timeout=20)
+    for member in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    psutil.wait_procs(alive, timeout=10)
+    process.wait(timeout=10)
+
+
+def wait_for_port(
+    host: str, port: int, process: subprocess.Popen[bytes], log_file: Path, netns: str | None, limit: float = 60
+) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SimulationError(f"flower-superlink exited early:\n{log_file.read_text()[-3000:]}")
+        if port_open(host, port, netns):
+            return
+        time.sleep(0.2)
+    raise SimulationError(f"flower-superlink did not listen on {host}:{port} within {limit} s")
+
+
+def port_open(host: str, port: int, netns: str | None) -> bool:
+    """Whether something listens on host:port, seen from inside `netns` when given."""
+    if netns is None:
+        with socket.socket() as sock:
+            return sock.connect_ex((host, port)) == 0
+    probe = f"import socket,sys; sys.exit(socket.socket().connect_ex(({host!r}, {port})))"
+    return subprocess.run(in_namespace([sys.executable, "-c", probe], netns), check=False).returncode == 0
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so FlowerSession stops the SuperLink it started."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

@@ -1,0 +1,147 @@
+"""`FlowerSession`: a private SuperLink (simulation or deployment), the SuperNodes and warm
+executors started for it, and the `flwr` CLI pointed at it; everything it started is stopped when
+the session ends, however it ends."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from .cli import FlowerCli
+from .commands import check_executor, superlink_command, supernode_command, warm_executor_command
+from .processes import free_port, in_namespace, stop_process_tree, wait_for_port
+
+
+class FlowerSession(FlowerCli):
+    """A private SuperLink and the `flwr` CLI pointed at it; stops all it started on exit.
+
+    Parameters
+    ----------
+    workdir : path
+        Where the session's FLWR_HOME and process logs go.
+    simulation : bool
+        True: a simulation SuperLink (Ray simulates the SuperNodes). False: real SuperNodes
+        connect to `address` (see `start_supernode`).
+    host : str (default: "127.0.0.1")
+        Address the SuperLink listens on and everyone connects to.
+    superlink_args : tuple[str, ...] (default: ("--insecure",))
+        Security flags of the SuperLink (`superlink_security`: TLS, SuperNode authentication).
+    root_certificates, cli_netns, env :
+        As for `FlowerCli` (`env` also reaches the SuperLink and SuperNodes, e.g.
+        FLWR_SUPEREXEC_TASK_POLL_INTERVAL).
+    superlink_netns : str | None (default: None)
+        Network namespace the SuperLink runs in (multi-host tests); None is the caller's own.
+    database : str | os.PathLike | None (default: None)
+        The SuperLink's state database (`superlink_command`); None keeps it in memory.
+    executor : str (default: "stock")
+        How SuperNodes run ClientApp tasks (one of EXECUTORS): "stock" is Flower's SuperNode and
+        SuperExec, "warm" is concatfl's warm executor started next to every SuperNode, which runs
+        with short fixed waits (concatfl/deployment/supernode.py).
+    """
+
+    # pylint: disable=too-many-arguments
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        simulation: bool,
+        host: str = "127.0.0.1",
+        superlink_args: tuple[str, ...] = ("--insecure",),
+        root_certificates: str | os.PathLike | None = None,
+        superlink_netns: str | None = None,
+        cli_netns: str | None = None,
+        env: Mapping[str, str] | None = None,
+        database: str | os.PathLike | None = None,
+        executor: str = "stock",
+    ) -> None:
+        check_executor(executor)
+        self.database = database
+        self.port = free_port()
+        self.ray_tmpdir = Path(tempfile.mkdtemp(prefix="cfl-ray-", dir="/tmp"))
+        super().__init__(
+            workdir,
+            f"{host}:{self.port}",
+            root_certificates=root_certificates,
+            cli_netns=cli_netns,
+            env={"RAY_TMPDIR": str(self.ray_tmpdir), **(env or {})},
+        )
+        self.executor = executor
+        self.executors: dict[int, subprocess.Popen[bytes]] = {}
+        self.simulation = simulation
+        self.host = host
+        self.superlink_netns = superlink_netns
+        self.superlink_args = superlink_args
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def address(self) -> str:
+        """host:port where SuperNodes and the CLI reach the SuperLink."""
+        return f"{self.host}:{self.port}"
+
+    def __enter__(self) -> FlowerSession:
+        command = superlink_command(
+            self.host, self.port, self.database, simulation=self.simulation, security=self.superlink_args
+        )
+        superlink = self.spawn(command, "superlink.log", netns=self.superlink_netns)
+        try:
+            wait_for_port(self.host, self.port, superlink, self.workdir / "superlink.log", self.superlink_netns)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in reversed(self.processes):
+            stop_process_tree(process)
+        shutil.rmtree(self.ray_tmpdir, ignore_errors=True)
+
+    def spawn(self, command: list[str], log_name: str, netns: str | None = None) -> subprocess.Popen[bytes]:
+        """Start a process (in `netns`, logging to `workdir/log_name`) that the session will stop."""
+        process = subprocess.Popen(
+            in_namespace(command, netns),
+            env=self.env,
+            stdout=(self.workdir / log_name).open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.processes.append(process)
+        return process
+
+    # pylint: disable=too-many-arguments
+    def start_supernode(
+        self,
+        partition_id: int,
+        num_partitions: int,
+        *,
+        security: tuple[str, ...] = ("--insecure",),
+        netns: str | None = None,
+        node_config: str = "",
+        log_name: str | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """A real SuperNode holding partition `partition_id` of `num_partitions`.
+
+        `security` comes from `supernode_security`; the SuperNode runs in `netns` when given
+        and logs to `log_name` (default `supernode-<partition_id>.log`, appended to on restart).
+        With the warm executor, its executor starts beside it (same namespace; log
+        `warm-executor-<partition_id>.log`; in `self.executors[partition_id]`) and exits with it.
+        """
+        port = free_port()
+        command = supernode_command(
+            self.address,
+            port,
+            partition_id,
+            num_partitions,
+            security=security,
+            node_config=node_config,
+            executor=self.executor,
+        )
+        supernode = self.spawn(command, log_name or f"supernode-{partition_id}.log", netns=netns)
+        if self.executor == "warm":
+            self.executors[partition_id] = self.spawn(
+                warm_executor_command(port, supernode.pid), f"warm-executor-{partition_id}.log", netns=netns
+            )
+        return supernode
