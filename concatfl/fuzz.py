@@ -26,6 +26,10 @@ malformed (a server must reject them): ``nan``, ``inf`` (in the first floating-p
 ``empty`` (no records at all), ``label-negative`` (a negative probability), ``label-scaled``
 (the distribution × 1000);
 
+stalled (asked for by name only, never part of a group): ``hang`` (the reply comes HANG_SECONDS
+late, long after any round timeout: a ClientApp that hangs; the node's later messages wait
+behind it, as they would behind a hung process);
+
 poisoned (well-formed; a server can only bound them): ``scaled`` (every weight × 10⁶),
 ``huge-examples`` (num-examples 10¹²), ``sign-flip`` (the update reversed: what was sent minus
 the client's update; −update for a reply that is an update itself, such as concatfl's SCAFFOLD
@@ -35,6 +39,7 @@ reply with its ``"control"`` record), ``label-lie`` (a one-hot distribution on a
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from logging import WARNING
 from pathlib import Path
@@ -59,8 +64,10 @@ LABEL_MALFORMED = ("label-negative", "label-scaled")
 LABEL_POISONED = ("label-lie",)
 MALFORMED = TRAIN_MALFORMED + LABEL_MALFORMED
 POISONED = TRAIN_POISONED + LABEL_POISONED
-KINDS = MALFORMED + POISONED
-GROUPS = {"all": KINDS, "malformed": MALFORMED, "poisoned": POISONED}
+STALLED = ("hang",)
+KINDS = MALFORMED + POISONED + STALLED
+GROUPS = {"all": MALFORMED + POISONED, "malformed": MALFORMED, "poisoned": POISONED}
+HANG_SECONDS = 3600.0
 HUGE_EXAMPLES = 10**12
 SCALE = 1e6
 
@@ -90,9 +97,11 @@ def fuzz_mod(message: Message, context: Context, call_next: Callable[[Message, C
     if rng.random() >= share:
         return reply
     kind = kinds[int(rng.integers(len(kinds)))]
-    content = corrupt(message, reply.content, kind, rng)
     _report(message, context, kind)
-    return Message(content, reply_to=message)
+    if kind == "hang":
+        time.sleep(HANG_SECONDS)
+        return reply
+    return Message(corrupt(message, reply.content, kind, rng), reply_to=message)
 
 
 def corrupt(message: Message, content: RecordDict, kind: str, rng: np.random.Generator) -> RecordDict:
@@ -166,7 +175,7 @@ def _applicable(message: Message, reply: Message, kinds: tuple[str, ...]) -> tup
     if message_type == LABELS_MESSAGE_TYPE and LABEL_DISTRIBUTION in reply.content.metric_records.get("metrics", {}):
         return tuple(kind for kind in kinds if kind in LABEL_MALFORMED + LABEL_POISONED)
     if message_type.split(".")[0] == "train" and "arrays" in reply.content.array_records:
-        return tuple(kind for kind in kinds if kind in TRAIN_MALFORMED + TRAIN_POISONED)
+        return tuple(kind for kind in kinds if kind in TRAIN_MALFORMED + TRAIN_POISONED + STALLED)
     return ()
 
 

@@ -43,6 +43,7 @@ def run_simulation(
     timeout: float | None = None,
     cpus_per_client: int = 1,
     gpus_per_client: float = 0.0,
+    ray_address: str | None = None,
 ) -> dict[str, Any]:
     """Run one simulation to completion and return its metrics.json as a dict.
 
@@ -52,7 +53,10 @@ def run_simulation(
     the session's files go to a temporary directory that is removed afterwards (kept, and
     named in the error, when the run failed) and the outputs go where `output-dir` says (the
     app's default: `outputs` under the current directory). `timeout` (seconds) gives up on a
-    run that takes longer; None waits as long as it takes.
+    run that takes longer; None waits as long as it takes. `ray_address` (host:port of a running
+    Ray cluster's head, as `ray start --head` prints it) runs the simulation's ClientApp actors on
+    that cluster instead of a Ray instance of its own (Flower's Ray backend connects through
+    RAY_ADDRESS; each actor asks for `cpus_per_client` CPUs and `gpus_per_client` GPUs there).
     Raises SimulationError (with the log tail) unless the run ends `finished:completed`.
     """
     scratch = workdir is None
@@ -61,7 +65,8 @@ def run_simulation(
     output_dir = Path(run_config.get("output-dir", default_output)).resolve()
     overrides = {**run_config, "output-dir": str(output_dir)}
     try:
-        with FlowerSession(workdir, simulation=True) as session:
+        cluster = {"RAY_ADDRESS": ray_address} if ray_address else {}
+        with FlowerSession(workdir, simulation=True, env=cluster) as session:
             run_id = session.submit(
                 overrides,
                 app_dir,
@@ -129,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: none)")
     parser.add_argument("--cpus-per-client", type=int, default=1)
     parser.add_argument("--gpus-per-client", type=float, default=0.0)
+    parser.add_argument(
+        "--ray-address", default=None, metavar="HOST:PORT",
+        help="run on this running Ray cluster (its head's address) instead of a Ray instance of the run's own",
+    )
     args = parser.parse_args(argv)
     try:
         overrides = parse_overrides(args.run_config)
@@ -151,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout=args.timeout,
             cpus_per_client=args.cpus_per_client,
             gpus_per_client=args.gpus_per_client,
+            ray_address=args.ray_address,
         )
     except SimulationError as error:
         print(f"concatfl.launch: {error}", *getattr(error, "__notes__", []), sep="\n", file=sys.stderr)

@@ -18,6 +18,7 @@ from .models import resolve_model_name
 from .runtime import ServerEnv
 from .deployment.grid import StableNodeGrid
 from .strategies import build_strategy
+from .strategies.common import fingerprint
 
 app = ServerApp()
 
@@ -69,7 +70,8 @@ def main(grid: Grid, context: Context) -> None:
         initial_arrays = ArrayRecord(resumed.arrays)
         torch.set_rng_state(resumed.torch_rng)
         earlier_seconds = resumed.wall_seconds
-        log(INFO, "Resuming after round %d from %s", resumed.server_round, config.output_dir)
+        log(INFO, "Resuming after round %d from %s (model %s)", resumed.server_round, config.output_dir,
+            fingerprint(initial_arrays))
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         loss, accuracy = env.evaluate(strategy.global_module(arrays, env.make_model))
@@ -109,5 +111,7 @@ def main(grid: Grid, context: Context) -> None:
         earlier_seconds + time.perf_counter() - started,
         grid.identity_report(),
     )
+    if resumed is not None:  # what this run continued from, to compare with the checkpoint it found
+        document["resumed"] = {"after_round": resumed.server_round, "model": fingerprint(ArrayRecord(resumed.arrays))}
     path = write_metrics(config.output_dir, document)
     log(INFO, "final accuracy %.4f; metrics written to %s", document["final_accuracy"], path)

@@ -26,9 +26,10 @@ import pytest
 
 from concatfl import PROJECT_DIR
 from concatfl.deployment.cli import CONNECTION, FlowerCli
+from concatfl.deployment.fleet import make_certificates, wait_for
 from concatfl.deployment.warm_executor import task_records
 
-from .deploy import make_certificates, misses_of, wait_for
+from .deploy import misses_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker]
 

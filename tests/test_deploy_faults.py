@@ -19,24 +19,13 @@ from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord, Rec
 
 from concatfl import PROJECT_DIR
 from concatfl.deployment.commands import superlink_security
+from concatfl.deployment.fleet import Node, log_count, make_certificates, online_node_ids, restart_when_possible, start_authenticated_nodes, wait_for
+from concatfl.deployment.processes import kill_process_tree
 from concatfl.deployment.session import FlowerSession
 from concatfl.metrics import read_metrics
 from concatfl.strategies.common import reply_problem
 
-from .deploy import (
-    DEPLOY_RUN,
-    Node,
-    DEPLOY_EXECUTOR,
-    FAST_POLLING,
-    kill_hard,
-    log_count,
-    make_certificates,
-    misses_of,
-    online_node_ids,
-    restart_when_possible,
-    start_authenticated_nodes,
-    wait_for,
-)
+from .deploy import DEPLOY_EXECUTOR, DEPLOY_RUN, FAST_POLLING, misses_of
 from .e2e import leftover_processes
 
 MISBEHAVING_APP = PROJECT_DIR / "tests/apps/misbehaving"
@@ -108,7 +97,7 @@ def _kill_and_restart(tmp_path, run_config, num_nodes, kill_at_train_message):
             return None
 
         victim = wait_for(reached, 600, f"a node's train message {kill_at_train_message}", interval=0.2)
-        kill_hard(victim.process)
+        kill_process_tree(victim.process)
         restart_seconds = restart_when_possible(session, certificates, victim, num_nodes)
         session.wait(run_id, timeout=900)
         assert session.status(run_id) == "finished:completed"

@@ -10,10 +10,11 @@ from collections.abc import Iterator
 import pytest
 
 from concatfl.deployment.commands import superlink_security, supernode_security
+from concatfl.deployment.fleet import make_certificates, online_node_ids, wait_for
 from concatfl.deployment.session import FlowerSession
 from concatfl.metrics import read_metrics
 
-from .deploy import DEPLOY_EXECUTOR, DEPLOY_RUN, FAST_POLLING, make_certificates, online_node_ids, wait_for
+from .deploy import DEPLOY_EXECUTOR, DEPLOY_RUN, FAST_POLLING
 from .e2e import leftover_processes
 
 pytestmark = pytest.mark.e2e

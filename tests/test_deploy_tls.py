@@ -18,11 +18,12 @@ import pytest
 from concatfl import PROJECT_DIR
 from concatfl.deployment.cli import CONNECTION
 from concatfl.deployment.commands import superlink_security, supernode_security
+from concatfl.deployment.fleet import Node, make_certificates, online_node_ids, start_authenticated_node, wait_for
 from concatfl.deployment.processes import free_port
 from concatfl.deployment.session import FlowerSession
 from concatfl.metrics import read_metrics
 
-from .deploy import DEPLOY_EXECUTOR, DEPLOY_RUN, FAST_POLLING, Node, make_certificates, online_node_ids, start_authenticated_node, wait_for
+from .deploy import DEPLOY_EXECUTOR, DEPLOY_RUN, FAST_POLLING
 from .e2e import leftover_processes
 
 pytestmark = pytest.mark.e2e

@@ -37,7 +37,8 @@ def context(node_config: dict | None = None, **run_config) -> Context:
 
 
 def test_kind_groups_and_lists():
-    assert parse_kinds("all") == KINDS and parse_kinds("malformed") == MALFORMED and parse_kinds("poisoned") == POISONED
+    assert parse_kinds("all") == MALFORMED + POISONED and parse_kinds("malformed") == MALFORMED
+    assert parse_kinds("poisoned") == POISONED and set(KINDS) == {*MALFORMED, *POISONED, "hang"}
     assert parse_kinds("nan, scaled") == ("nan", "scaled")
     with pytest.raises(ValueError, match="unknown fuzz kinds \\['bogus'\\]"):
         parse_kinds("nan,bogus")
@@ -121,3 +122,13 @@ def test_draws_are_seeded_per_node_and_message_count():
     assert kinds(0) == kinds(0)
     assert kinds(0) != kinds(1)
     assert 0 < kinds(0).count("fuzzed") < 12
+
+
+def test_a_hang_is_asked_for_by_name_and_delays_the_reply(monkeypatch):
+    import concatfl.fuzz as fuzz
+
+    assert "hang" not in parse_kinds("all") and parse_kinds("hang") == ("hang",)
+    slept = []
+    monkeypatch.setattr(fuzz.time, "sleep", slept.append)
+    reply = fuzz_mod(received(), context(**{"fuzz-share": 1.0, "fuzz-kinds": "hang"}), train_reply)
+    assert slept == [fuzz.HANG_SECONDS] and reply.content["metrics"]["num-examples"] == 20  # the honest reply, late

@@ -122,7 +122,7 @@ class StandInSession:
     workdirs: list[Path] = []
     fail = False
 
-    def __init__(self, workdir, simulation):
+    def __init__(self, workdir, simulation, env=None):
         self.workdir = Path(workdir)
         (self.workdir / "flwr-home").mkdir(parents=True)
         StandInSession.workdirs.append(self.workdir)

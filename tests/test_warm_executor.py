@@ -23,8 +23,9 @@ from concatfl.deployment.warm_executor import (
     parse_args,
     task_records,
 )
+from concatfl.deployment.fleet import log_count, online_node_ids, wait_for
 
-from .deploy import FAST_POLLING, log_count, online_node_ids, wait_for
+from .deploy import FAST_POLLING
 from .e2e import leftover_processes
 
 STATEFUL_APP = PROJECT_DIR / "tests/apps/stateful"

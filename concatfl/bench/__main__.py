@@ -1,7 +1,8 @@
 """Command line: run one suite over the given seeds, write and print its table.
 
 `python -m concatfl.bench overhead [options]` measures the framework itself instead
-(`concatfl.bench.overhead`, with options of its own).
+(`concatfl.bench.overhead`, with options of its own); `python -m concatfl.bench soak [options]`
+runs a real deployment under sustained faults (`concatfl.bench.soak`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ..data.datasets import DATASETS
 from ..deployment.cli import plain_flower_logs
 from ..deployment.processes import exit_on_sigterm
 from ..launch import parse_overrides
-from . import overhead, robustness, stability
+from . import overhead, robustness, soak, stability
 from .inprocess import simulate_in_process
 from .report import write_report
 from .runner import BenchError, cell_config, run_suite, select_cells, simulate_with_flower
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [overhead.SUITE]:
         return overhead.main(argv[1:])
+    if argv[:1] == [soak.SUITE]:
+        return soak.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m concatfl.bench", description=__doc__)
     parser.add_argument(
         "suite",

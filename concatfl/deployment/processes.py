@@ -53,6 +53,18 @@ def stop_process_tree(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=10)
 
 
+def kill_process_tree(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a process and everything it started (a crashed host: nothing gets to clean up)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        family = [psutil.Process(process.pid)]
+        family += family[0].children(recursive=True)
+        for member in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.kill()
+        psutil.wait_procs(family, timeout=10)
+    process.wait(timeout=10)
+
+
 def wait_for_port(
     host: str, port: int, process: subprocess.Popen[bytes], log_file: Path, netns: str | None, limit: float = 60
 ) -> None:
@@ -78,3 +90,21 @@ def port_open(host: str, port: int, netns: str | None) -> bool:
 def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit so FlowerSession stops the SuperLink it started."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
+def leftover_processes(workdir: Path) -> list[str]:
+    """Processes left running by whatever ran in `workdir`: this process's descendants, or any
+    process naming `workdir` in its command line (scoped so that runs in other shells do not
+    count as leaks; zombies are not counted)."""
+    suspects = psutil.Process().children(recursive=True)
+    for process in psutil.process_iter(["cmdline"]):
+        if str(workdir) in " ".join(process.info["cmdline"] or []):
+            suspects.append(process)
+    leaked = []
+    for process in suspects:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                leaked.append(" ".join(process.cmdline()))
+        except psutil.NoSuchProcess:
+            continue
+    return leaked

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .cli import FlowerCli
 from .commands import check_executor, superlink_command, supernode_command, warm_executor_command
-from .processes import free_port, in_namespace, stop_process_tree, wait_for_port
+from .processes import free_port, in_namespace, kill_process_tree, stop_process_tree, wait_for_port
 
 
 class FlowerSession(FlowerCli):
@@ -76,6 +76,8 @@ class FlowerSession(FlowerCli):
         self.superlink_netns = superlink_netns
         self.superlink_args = superlink_args
         self.processes: list[subprocess.Popen[bytes]] = []
+        self.superlink: subprocess.Popen[bytes] | None = None
+        self.closed = False  # once stopping, no process may start (a restart racing the exit)
 
     @property
     def address(self) -> str:
@@ -83,24 +85,39 @@ class FlowerSession(FlowerCli):
         return f"{self.host}:{self.port}"
 
     def __enter__(self) -> FlowerSession:
-        command = superlink_command(
-            self.host, self.port, self.database, simulation=self.simulation, security=self.superlink_args
-        )
-        superlink = self.spawn(command, "superlink.log", netns=self.superlink_netns)
         try:
-            wait_for_port(self.host, self.port, superlink, self.workdir / "superlink.log", self.superlink_netns)
+            self.start_superlink()
         except BaseException:
             self.__exit__()
             raise
         return self
 
+    def start_superlink(self) -> subprocess.Popen[bytes]:
+        """Start the SuperLink (again, after `kill_superlink`: same address, same database) and
+        wait until it listens."""
+        command = superlink_command(
+            self.host, self.port, self.database, simulation=self.simulation, security=self.superlink_args
+        )
+        self.superlink = self.spawn(command, "superlink.log", netns=self.superlink_netns)
+        wait_for_port(self.host, self.port, self.superlink, self.workdir / "superlink.log", self.superlink_netns)
+        return self.superlink
+
+    def kill_superlink(self) -> None:
+        """SIGKILL the SuperLink and what it started (a crashed host: the runs it held die with it)."""
+        assert self.superlink is not None
+        kill_process_tree(self.superlink)
+
     def __exit__(self, *exc: object) -> None:
+        self.closed = True
         for process in reversed(self.processes):
             stop_process_tree(process)
         shutil.rmtree(self.ray_tmpdir, ignore_errors=True)
 
     def spawn(self, command: list[str], log_name: str, netns: str | None = None) -> subprocess.Popen[bytes]:
-        """Start a process (in `netns`, logging to `workdir/log_name`) that the session will stop."""
+        """Start a process (in `netns`, logging to `workdir/log_name`) that the session will stop;
+        RuntimeError once the session is stopping."""
+        if self.closed:
+            raise RuntimeError("the session is stopping: no new process")
         process = subprocess.Popen(
             in_namespace(command, netns),
             env=self.env,

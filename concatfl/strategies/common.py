@@ -8,6 +8,7 @@ validation becomes a `Miss` with a logged reason; it never reaches aggregation.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -269,6 +270,15 @@ def weighted_average(records: Sequence[ArrayRecord], weights: Sequence[float]) -
         rounded = np.rint(mean) if np.issubdtype(dtype, np.integer) else mean
         averaged[key] = Array(np.asarray(rounded, dtype=dtype))  # 0-d stays an array (num_batches_tracked)
     return ArrayRecord(averaged)
+
+
+def fingerprint(arrays: ArrayRecord) -> str:
+    """Short SHA-256 of an ArrayRecord's keys and bytes (names a model: the encoders a FedConcat cache was built from, the model a run resumed from)."""
+    digest = hashlib.sha256()
+    for key, array in arrays.items():
+        digest.update(key.encode())
+        digest.update(np.ascontiguousarray(array.numpy()).tobytes())
+    return digest.hexdigest()[:16]
 
 
 def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:

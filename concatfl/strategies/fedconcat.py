@@ -25,7 +25,6 @@ says its stage and bytes per stage (`stage_bytes`); `bytes_by_stage` holds the r
 from __future__ import annotations
 
 import copy
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -75,6 +74,7 @@ from ..training import Normalization
 from .base import EvaluateFn, RelayStrategy
 from .common import (
     CONFIG_KEY,
+    fingerprint,
     NUM_EXAMPLES_KEY,
     HopResult,
     Reply,
@@ -799,15 +799,6 @@ def distribution_problem(values: Any, num_classes: int, dp_epsilon: float) -> st
     if abs(distribution.sum() - 1.0) > DISTRIBUTION_TOLERANCE:
         return f"sums to {distribution.sum():g}, not 1"
     return None
-
-
-def fingerprint(arrays: ArrayRecord) -> str:
-    """Short SHA-256 of an ArrayRecord's keys and bytes (names the encoders a cache was built from)."""
-    digest = hashlib.sha256()
-    for key, array in arrays.items():
-        digest.update(key.encode())
-        digest.update(np.ascontiguousarray(array.numpy()).tobytes())
-    return digest.hexdigest()[:16]
 
 
 def _shapes(arrays: ArrayRecord) -> dict[str, tuple[int, ...]]:

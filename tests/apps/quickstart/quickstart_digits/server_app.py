@@ -70,7 +70,9 @@ def build(config, x_test: torch.Tensor, y_test: torch.Tensor) -> RelayStrategy:
         str(config["aggregation"]), float(config["aggregation-trim"]), int(config["aggregation-byzantine"])
     )
     step = str(config["hop-step"])
-    hops = {"hop_step": step if step == "auto" else float(step), "hop_clip": float(config["hop-clip"])}
+    hops: dict = {"hop_clip": float(config["hop-clip"])}
+    if step:
+        hops["hop_step"] = step if step == "auto" else float(step)
     fraction = float(config["fraction-train"])
     if variant == "fedavg":
         return FedAvg(fraction_train=fraction, aggregation=aggregation, **guard)

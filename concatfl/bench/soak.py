@@ -1,0 +1,512 @@
+"""`python -m concatfl.bench soak`: a real deployment under sustained faults, and what it survived.
+
+A private SuperLink (TLS, SuperNode authentication, its state in an SQLite file) and N
+authenticated SuperNodes on this machine (loopback only), each with concatfl's warm executor
+(`--executor stock`: Flower's), run FedAvg, FedCat, FedSeq and FedConcat on digits one after
+another, while a seeded chaos loop keeps injecting faults:
+
+- every `--kill-every` seconds, ~`--kill-share` of the running SuperNodes are SIGKILLed (the
+  SuperNode, its executor and its ClientApp worker: a crashed host), and each is started again
+  after a random 5–30 s (then as soon as the SuperLink accepts its key again: it lists a dead
+  node as online for up to two 30 s heartbeats);
+- once, in the run named by `--superlink-restart` after its checkpoint passed round
+  `--superlink-restart-after`, the SuperLink is SIGKILLed (the ServerApp dies with it) and
+  started again on its database; the user's step is to submit the same run with `resume=true`
+  (concatfl's checkpoint); the soak does that and checks that the resumed run started from the
+  very model of the checkpoint it found (`resumed.model` in metrics.json, a SHA-256 prefix);
+- every run's replies are fuzzed (`--fuzz-share` of them malformed or poisoned, concatfl.fuzz,
+  drawn uniformly from every kind);
+- one SuperNode's ClientApp hangs (`fuzz-kinds='hang'` in its node config): from its first hung
+  message on it answers nothing; every hop it is in waits for `--round-timeout`.
+
+Everything is bounded (`--time-limit`, default 30 min) and stopped at the end, on SIGTERM,
+SIGINT or the time limit; the soak then checks that no process it started is left. The report
+(`<out>/soak/report.json` and `report.md`) gives per run: completed or not, rounds, final
+accuracy against the same run without faults (in one process, `concatfl.bench.inprocess`),
+faults injected, replies rejected / clipped / down-weighted, malformed replies accepted (0 is
+the target) and the hops lost to dead or hung nodes; and for the SuperLink restart, what the
+user did and what was lost.
+
+`--capacity` measures instead how many SuperNodes this machine holds: for growing N, N nodes
+idle (CPU per node) and then run one FedSeq round (peak resident memory per node, wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+from ..checkpoint import load_checkpoint
+from ..deployment.commands import EXECUTORS, superlink_security
+from ..deployment.fleet import Node, make_certificates, online_node_ids, restart_when_possible, start_authenticated_nodes, wait_for
+from ..deployment.processes import SimulationError, kill_process_tree, leftover_processes
+from ..deployment.session import FlowerSession
+from ..metrics import read_metrics
+from ..strategies.common import fingerprint
+from .inprocess import simulate_in_process
+from .robustness import malformed_accepted, outsized_taken
+
+SUITE = "soak"
+STRATEGIES = ("fedavg", "fedcat", "fedseq", "fedconcat")
+# Flower 1.42's SuperExec polls for tasks every 1 s unless told otherwise (the stock executor only).
+FAST_POLLING = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}
+# Short runs on digits; FedSeq's superclients of ~3 nodes, FedConcat's short stages.
+SOAK_RUN = {
+    "dataset": "digits",
+    "partition": "classes",
+    "classes-per-client": 2,
+    "local-epochs": 1,
+    "batch-size": 32,
+    "lr": 0.05,
+    "momentum": 0.9,
+    "local-test-fraction": 0.0,
+    "fedseq-pretrain-epochs": 2,
+    "fedseq-max-clients": 3,
+    "fedseq-min-samples": 200,
+    "fedconcat-encoder-rounds": 3,
+    "fedconcat-classifier-rounds": 3,
+    "device": "cpu",
+}
+RESTART_DELAY = (5.0, 30.0)
+
+
+@dataclass
+class Settings:
+    """What the soak does (the command line's options)."""
+
+    nodes: int = 8
+    rounds: int = 6
+    strategies: tuple[str, ...] = STRATEGIES
+    fuzz_share: float = 0.1
+    kill_share: float = 0.1
+    kill_every: float = 30.0
+    round_timeout: float = 20.0
+    superlink_restart: str = "fedcat"
+    superlink_restart_after: int = 2
+    hang: bool = True
+    executor: str = "warm"
+    time_limit: float = 1800.0
+    seed: int = 0
+
+
+@dataclass
+class Chaos:
+    """The seeded fault loop: kills and restarts SuperNodes while the runs go on (a thread)."""
+
+    session: FlowerSession
+    certificates: Any
+    nodes: dict[int, Node]
+    settings: Settings
+    protected: set[int]
+    events: list[dict[str, Any]] = field(default_factory=list)
+    _rng: np.random.Generator = field(init=False)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _paused: threading.Event = field(default_factory=threading.Event)
+    _down: set[int] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _started: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self._rng = np.random.default_rng(self.settings.seed)
+
+    def start(self) -> None:
+        """Begin injecting faults in the background."""
+        self._spawn(self._loop)
+
+    def pause(self, paused: bool) -> None:
+        """Stop (True) or resume (False) new kills, e.g. while the SuperLink restarts."""
+        (self._paused.set if paused else self._paused.clear)()
+
+    def stop(self, wait: float = 180.0) -> None:
+        """No more kills; wait up to `wait` seconds for pending restarts (the session's exit stops
+        whatever is still starting: it refuses new processes from then on)."""
+        self._stop.set()
+        deadline = time.monotonic() + wait
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def note(self, kind: str, **details: Any) -> None:
+        """Record an event with its time since the soak started."""
+        with self._lock:
+            self.events.append({"t": round(time.monotonic() - self._started, 1), "kind": kind, **details})
+
+    def _spawn(self, target, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _loop(self) -> None:
+        count = max(1, math.ceil(self.settings.kill_share * len(self.nodes)))
+        while not self._stop.wait(self.settings.kill_every):
+            if self._paused.is_set():
+                continue
+            with self._lock:
+                up = sorted(set(self.nodes) - self._down - self.protected)
+                # Never more than half the nodes down at once: the runs need their minimum.
+                room = max(0, len(self.nodes) // 2 - len(self._down))
+                victims = [int(v) for v in self._rng.choice(up, size=min(count, len(up), room), replace=False)]
+                delays = [float(self._rng.uniform(*RESTART_DELAY)) for _ in victims]
+                self._down.update(victims)
+            for victim, delay in zip(victims, delays):
+                kill_process_tree(self.nodes[victim].process)
+                self.note("supernode-killed", node=victim)
+                self._spawn(self._restart, victim, delay)
+
+    def _restart(self, victim: int, delay: float) -> None:
+        if self._stop.wait(delay):
+            self.note("supernode-not-restarted", node=victim, reason="the soak ended first")
+            return
+        try:
+            seconds = restart_when_possible(self.session, self.certificates, self.nodes[victim], len(self.nodes))
+            self.note("supernode-restarted", node=victim, seconds_after_kill=round(delay + seconds, 1))
+        except (AssertionError, RuntimeError) as error:  # RuntimeError: the session is stopping
+            self.note("supernode-restart-failed", node=victim, reason=str(error))
+        with self._lock:
+            self._down.discard(victim)
+
+
+def run_config(settings: Settings, strategy: str, output: Path) -> dict[str, Any]:
+    """One soak run's run config (its outputs and fuzz log in `output`)."""
+    return {
+        **SOAK_RUN,
+        "strategy": strategy,
+        "num-server-rounds": settings.rounds,
+        "round-timeout": settings.round_timeout,
+        "min-available-nodes": max(2, settings.nodes // 2),
+        "fraction-train": 0.5 if strategy == "fedavg" else 1.0,
+        "fuzz-share": settings.fuzz_share,
+        "fuzz-seed": settings.seed,
+        "fuzz-log": str(output / "fuzz.jsonl"),
+        "seed": settings.seed,
+        "output-dir": str(output),
+    }
+
+
+def run_one(session: FlowerSession, chaos: Chaos, settings: Settings, strategy: str, output: Path, deadline: float) -> dict[str, Any]:
+    """Submit one run, restart the SuperLink in it if asked, wait for it; its summary."""
+    config = run_config(settings, strategy, output)
+    started = time.monotonic()
+    outcome: dict[str, Any] = {"strategy": strategy, "completed": False}
+    try:
+        run_id = session.submit(config)
+        if strategy == settings.superlink_restart:
+            outcome["superlink_restart"] = restart_superlink(session, chaos, settings, config, output, deadline)
+            run_id = outcome["superlink_restart"]["resumed_run"]
+        session.wait(run_id, timeout=max(1.0, deadline - time.monotonic()))
+        outcome["completed"] = True
+    except (SimulationError, AssertionError) as error:
+        outcome["error"] = str(error).splitlines()[0]
+    outcome["wall_seconds"] = round(time.monotonic() - started, 1)
+    if (output / "metrics.json").exists():
+        outcome.update(describe(read_metrics(output)))
+    return outcome
+
+
+def restart_superlink(
+    session: FlowerSession, chaos: Chaos, settings: Settings, config: dict[str, Any], output: Path, deadline: float
+) -> dict[str, Any]:
+    """Wait for the checkpoint of round `superlink_restart_after`, SIGKILL the SuperLink, start it
+    again on its database, wait for the SuperNodes, resubmit the run with resume=true."""
+    def checkpointed() -> int:
+        try:
+            return load_checkpoint(output).server_round
+        except (FileNotFoundError, EOFError, RuntimeError):  # none yet, or being replaced
+            return 0
+
+    wait_for(lambda: checkpointed() >= settings.superlink_restart_after, deadline - time.monotonic(),
+             f"round {settings.superlink_restart_after} of the {config['strategy']} run")
+    chaos.pause(True)
+    killed = time.monotonic()
+    session.kill_superlink()
+    checkpoint = load_checkpoint(output)  # written atomically: what a resumed run will read
+    found = {"round": checkpoint.server_round, "model": fingerprint_state(checkpoint.arrays)}
+    chaos.note("superlink-killed", run=config["strategy"], checkpoint_round=found["round"])
+    session.start_superlink()
+    wait_for(lambda: len(online_node_ids(session)) >= config["min-available-nodes"], 180,
+             "the SuperNodes to reconnect to the restarted SuperLink", interval=2.0)
+    reconnected = time.monotonic()
+    resumed_run = session.submit({**config, "resume": True})
+    chaos.note("run-resumed", run=config["strategy"], after_round=found["round"])
+    chaos.pause(False)
+    return {
+        "checkpoint": found,
+        "seconds_until_nodes_back": round(reconnected - killed, 1),
+        "nodes_back": len(online_node_ids(session)),
+        "resumed_run": resumed_run,
+    }
+
+
+def fingerprint_state(state: dict[str, Any]) -> str:
+    """The fingerprint of a torch state dict, as concatfl's ServerApp records the model it resumed from."""
+    from flwr.app import ArrayRecord  # pylint: disable=import-outside-toplevel
+
+    return fingerprint(ArrayRecord(state))
+
+
+def describe(metrics: dict[str, Any]) -> dict[str, Any]:
+    """What a run's metrics.json says about the faults it met."""
+    misses = [miss for record in metrics["rounds"] for hop in record["hops"] for miss in hop["misses"]]
+    setup_misses = [m for hop in metrics["setup"].values() if isinstance(hop, dict) for m in hop.get("misses", [])]
+    guard = [record.get("guard", {}) for record in [metrics["setup"], *metrics["rounds"]]]
+    return {
+        "rounds": len(metrics["rounds"]),
+        "final_accuracy": round(metrics["final_accuracy"], 4),
+        "replies_rejected": sum(m["reason"].startswith("rejected") for m in misses + setup_misses),
+        "replies_missing": sum(not m["reason"].startswith("rejected") for m in misses + setup_misses),
+        "replies_clipped": sum(len(g.get("clipped", [])) for g in guard),
+        "replies_down_weighted": sum(len(g.get("down-weighted", [])) for g in guard),
+        "malformed_accepted": malformed_accepted(metrics),
+        "outsized_taken_as_sent": outsized_taken(metrics),
+        "resumed": metrics.get("resumed"),
+    }
+
+
+def baseline(settings: Settings, strategy: str, workdir: Path) -> float:
+    """The same run without faults (no kills, no fuzzing, no hang), in one process."""
+    config = {k: v for k, v in run_config(settings, strategy, workdir).items() if not k.startswith("fuzz-")}
+    return round(simulate_in_process(config, settings.nodes, workdir)["final_accuracy"], 4)
+
+
+def soak(settings: Settings, out: Path) -> dict[str, Any]:
+    """Run the soak (module docstring); returns the report, also written to `out`."""
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    started, load_before = time.monotonic(), os.getloadavg()
+    deadline = started + settings.time_limit
+    certificates = make_certificates(out / "certs", settings.nodes)
+    session = FlowerSession(
+        out / "session",
+        simulation=False,
+        superlink_args=superlink_security(certificates, supernode_auth=True),
+        root_certificates=certificates.ca_cert,
+        env=FAST_POLLING,
+        database=out / "superlink.db",
+        executor=settings.executor,
+    )
+    hang_node = settings.nodes - 1 if settings.hang else None
+    runs = []
+    with session:
+        nodes = start_authenticated_nodes(
+            session, certificates, list(range(settings.nodes)), settings.nodes,
+            node_config=lambda i: "fuzz-share=1.0 fuzz-kinds='hang'" if i == hang_node else "",
+        )
+        wait_for(lambda: len(online_node_ids(session)) == settings.nodes, 180, "every SuperNode online")
+        chaos = Chaos(session, certificates, nodes, settings, protected={hang_node} - {None})
+        if hang_node is not None:
+            chaos.note("clientapp-hangs", node=hang_node)
+        chaos.start()
+        try:
+            for strategy in settings.strategies:
+                if time.monotonic() > deadline:
+                    runs.append({"strategy": strategy, "completed": False, "error": "time limit reached before it started"})
+                    continue
+                runs.append(run_one(session, chaos, settings, strategy, out / strategy, deadline))
+        except BaseException:  # SIGTERM, SIGINT: stop at once, the session's exit stops every process
+            chaos.stop(wait=0.0)
+            raise
+        chaos.stop()
+    leftovers = leftover_processes(out)
+    for run in runs:
+        run["baseline_accuracy"] = baseline(settings, run["strategy"], out / "baseline" / run["strategy"])
+    report = {
+        "settings": asdict(settings),
+        "machine": machine(),
+        "load_average": {"start": [round(x, 2) for x in load_before], "end": [round(x, 2) for x in os.getloadavg()]},
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "runs": runs,
+        "faults": faults_by_kind(chaos.events),
+        "events": chaos.events,
+        "processes_left": leftovers,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "report.md").write_text(render(report))
+    return report
+
+
+def faults_by_kind(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """How many of each event, and how long restarts took."""
+    counts: dict[str, Any] = {}
+    for event in events:
+        counts[event["kind"]] = counts.get(event["kind"], 0) + 1
+    restarts = [e["seconds_after_kill"] for e in events if e["kind"] == "supernode-restarted"]
+    if restarts:
+        counts["restart_seconds"] = {"median": round(statistics.median(restarts), 1), "max": max(restarts)}
+    return counts
+
+
+def machine() -> str:
+    """The machine in one line: CPU model, cores, memory."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return f"{model}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as markdown: one row per run, then the faults."""
+    lines = [
+        f"## soak: {report['settings']['nodes']} SuperNodes ({report['settings']['executor']} executor), "
+        f"{report['wall_seconds']:.0f} s",
+        "",
+        f"{report['machine']}; load average {report['load_average']['start']} → {report['load_average']['end']}; "
+        f"faults: {json.dumps(report['faults'])}; processes left: {len(report['processes_left'])}",
+        "",
+        "| run | completed | rounds | accuracy (no faults) | rejected | clipped / down-weighted | malformed accepted "
+        "| missing replies | resumed from checkpoint |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in report["runs"]:
+        restart = run.get("superlink_restart")
+        resumed = "–"
+        if restart:
+            same = (run.get("resumed") or {}).get("model") == restart["checkpoint"]["model"]
+            resumed = f"after round {restart['checkpoint']['round']}, same model: {same}"
+        lines.append(
+            f"| {run['strategy']} | {run['completed']} | {run.get('rounds', '–')} | "
+            f"{run.get('final_accuracy', '–')} ({run.get('baseline_accuracy', '–')}) | {run.get('replies_rejected', '–')} | "
+            f"{run.get('replies_clipped', '–')} / {run.get('replies_down_weighted', '–')} | "
+            f"{run.get('malformed_accepted', '–')} | {run.get('replies_missing', '–')} | {resumed} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ capacity
+
+
+def capacity(counts: list[int], executor: str, out: Path, idle_seconds: float = 15.0) -> list[dict[str, Any]]:
+    """For each N: N SuperNodes idle (CPU per node) then one FedSeq round (peak memory, wall)."""
+    rows = []
+    for count in counts:
+        workdir = (out / f"capacity-{executor}-{count}").resolve()
+        certificates = make_certificates(workdir / "certs", count)
+        session = FlowerSession(workdir / "session", simulation=False,
+                                superlink_args=superlink_security(certificates, supernode_auth=True),
+                                root_certificates=certificates.ca_cert, env=FAST_POLLING, executor=executor)
+        row: dict[str, Any] = {"nodes": count, "executor": executor}
+        with session:
+            start_authenticated_nodes(session, certificates, list(range(count)), count)
+            try:
+                wait_for(lambda: len(online_node_ids(session)) == count, 300, "every SuperNode online")
+            except AssertionError as error:
+                rows.append({**row, "ok": False, "error": str(error)})
+                continue
+            family = _family(session)
+            before = {p.pid: _cpu(p) for p in family}
+            time.sleep(idle_seconds)
+            used = sum(_cpu(p) - before.get(p.pid, 0.0) for p in _family(session))
+            row["idle_cpu_per_node"] = round(used / idle_seconds / count, 4)
+            peak = _Peak(session)
+            config = {**run_config(Settings(nodes=count, rounds=1), "fedseq", workdir / "run"), "fuzz-share": 0.0,
+                      "min-available-nodes": count, "round-timeout": 600.0}
+            started = time.monotonic()
+            try:
+                session.wait(session.submit(config), timeout=900)
+                row["ok"] = True
+            except SimulationError as error:
+                row.update(ok=False, error=str(error).splitlines()[0])
+            row["fedseq_round_seconds"] = round(time.monotonic() - started, 1)
+            row["peak_rss_mib_per_node"] = round(peak.stop() / count / 2**20, 1)
+        row["processes_left"] = len(leftover_processes(workdir))
+        rows.append(row)
+        if not row.get("ok") or psutil.virtual_memory().available < 2 * 2**30:
+            break
+    return rows
+
+
+def _family(session: FlowerSession) -> list[psutil.Process]:
+    """The SuperNodes, executors and workers of a session (the SuperLink left out)."""
+    members = []
+    for process in session.processes:
+        if process is session.superlink:
+            continue
+        try:
+            root = psutil.Process(process.pid)
+            members += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return members
+
+
+def _cpu(process: psutil.Process) -> float:
+    try:
+        times = process.cpu_times()
+        return times.user + times.system
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+class _Peak:
+    """The largest resident memory of a session's nodes, sampled every 0.5 s in a thread."""
+
+    def __init__(self, session: FlowerSession) -> None:
+        self.session, self.peak, self._done = session, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.5):
+            total = 0
+            for process in _family(self.session):
+                try:
+                    total += process.memory_info().rss
+                except psutil.NoSuchProcess:
+                    continue
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line (module docstring)."""
+    parser = argparse.ArgumentParser(prog=f"python -m concatfl.bench {SUITE}", description=__doc__.split("\n\n")[0])
+    defaults = Settings()
+    parser.add_argument("--out", default="results", help="results folder (the soak writes <out>/soak)")
+    parser.add_argument("--nodes", type=int, default=defaults.nodes)
+    parser.add_argument("--rounds", type=int, default=defaults.rounds)
+    parser.add_argument("--strategies", default=",".join(defaults.strategies))
+    parser.add_argument("--fuzz-share", type=float, default=defaults.fuzz_share)
+    parser.add_argument("--kill-share", type=float, default=defaults.kill_share)
+    parser.add_argument("--kill-every", type=float, default=defaults.kill_every, help="seconds between kills")
+    parser.add_argument("--round-timeout", type=float, default=defaults.round_timeout)
+    parser.add_argument("--superlink-restart", default=defaults.superlink_restart, help="the run whose SuperLink is killed ('' for none)")
+    parser.add_argument("--superlink-restart-after", type=int, default=defaults.superlink_restart_after)
+    parser.add_argument("--no-hang", action="store_true", help="no SuperNode whose ClientApp hangs")
+    parser.add_argument("--executor", choices=EXECUTORS, default=defaults.executor)
+    parser.add_argument("--time-limit", type=float, default=defaults.time_limit, help="seconds (default 1800)")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--capacity", default="", metavar="N,N,…", help="measure capacity for these node counts instead")
+    args = parser.parse_args(argv)
+    out = Path(args.out) / SUITE
+    if args.capacity:
+        rows = capacity([int(n) for n in args.capacity.split(",")], args.executor, out)
+        (out / f"capacity-{args.executor}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+        print(json.dumps(rows, indent=1))
+        return 0 if all(not row.get("processes_left") for row in rows) else 1
+    strategies = tuple(s for s in args.strategies.split(",") if s)
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or args.nodes < 4:
+        parser.error(f"--strategies from {', '.join(STRATEGIES)} (got {unknown}); --nodes at least 4")
+    settings = Settings(
+        nodes=args.nodes, rounds=args.rounds, strategies=strategies, fuzz_share=args.fuzz_share,
+        kill_share=args.kill_share, kill_every=args.kill_every, round_timeout=args.round_timeout,
+        superlink_restart=args.superlink_restart, superlink_restart_after=args.superlink_restart_after,
+        hang=not args.no_hang, executor=args.executor, time_limit=args.time_limit, seed=args.seed,
+    )
+    report = soak(settings, out)
+    print(render(report))
+    return 0 if not report["processes_left"] else 1

@@ -1,0 +1,79 @@
+"""Every entry point that starts processes stops all of them when it is stopped itself.
+
+Each command runs in its own folder; while it runs, every process it started (its whole tree,
+sampled twice a second: the SuperLink and SuperNodes run in sessions of their own, so once the
+command is gone they would no longer be its descendants) is noted. Once it has started its
+processes it gets SIGTERM (or SIGINT, as a terminal's Ctrl-C); it must exit, and none of the
+noted processes may be left.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from concatfl import PROJECT_DIR
+
+# (name, command, a process name that shows the command has started its deployment, signal)
+ENTRY_POINTS = [
+    ("launch", [sys.executable, "-m", "concatfl.launch", "--num-supernodes", "2", "--run-config", "num-server-rounds=50"],
+     "flwr-simulation", signal.SIGTERM),
+    ("launch-ctrl-c", [sys.executable, "-m", "concatfl.launch", "--num-supernodes", "2", "--run-config",
+                       "num-server-rounds=50"], "flwr-simulation", signal.SIGINT),
+    ("bench", [sys.executable, "-m", "concatfl.bench", "fedcat-digits", "--seeds", "0", "--method", "FedAvg",
+               "--out", "{workdir}"], "flwr-simulation", signal.SIGTERM),
+    ("deploy-latency", [sys.executable, str(PROJECT_DIR / "scripts/deploy_latency.py"), "--nodes", "2",
+                        "--rounds", "20", "--variants", "warm", "--out", "{workdir}/latency.json"],
+     "warm_executor", signal.SIGTERM),
+    ("soak", [sys.executable, "-m", "concatfl.bench", "soak", "--nodes", "4", "--strategies", "fedavg",
+              "--rounds", "50", "--no-hang", "--out", "{workdir}"], "warm_executor", signal.SIGTERM),
+]
+
+
+def tree(root: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def command_line(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("name", "command", "started", "stop"), ENTRY_POINTS, ids=[e[0] for e in ENTRY_POINTS])
+def test_a_stopped_entry_point_leaves_no_process(tmp_path: Path, name, command, started, stop):
+    command = [part.replace("{workdir}", str(tmp_path)) for part in command]
+    entry = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    root = psutil.Process(entry.pid)
+    seen: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + 300
+    while not any(started in command_line(p) for p in seen.values() if alive(p)):
+        assert entry.poll() is None, f"{name} exited ({entry.returncode}) before starting {started}"
+        assert time.monotonic() < deadline, f"{name} did not start {started} within 300 s"
+        seen.update({p.pid: p for p in tree(root)})
+        time.sleep(0.5)
+    time.sleep(3)  # let it get on with its work
+    seen.update({p.pid: p for p in tree(root)})
+    entry.send_signal(stop)
+    entry.wait(timeout=120)
+    time.sleep(1)
+    left = [command_line(p) for p in seen.values() if p.pid != entry.pid and alive(p)]
+    assert left == [], f"{name} left {len(left)} processes"
