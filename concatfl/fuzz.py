@@ -200,6 +200,7 @@ def _next_count(context: Context) -> int:
 def _report(message: Message, context: Context, kind: str) -> None:
     config = message.content.config_records.get("config", {})
     entry = {
+        "run_id": int(context.run_id),
         "node_id": int(context.node_id),
         "partition_id": context.node_config.get("partition-id"),
         "server_round": config.get("server-round"),

@@ -111,6 +111,7 @@ def main(grid: Grid, context: Context) -> None:
         earlier_seconds + time.perf_counter() - started,
         grid.identity_report(),
     )
+    document["run_id"] = int(context.run_id)
     if resumed is not None:  # what this run continued from, to compare with the checkpoint it found
         document["resumed"] = {"after_round": resumed.server_round, "model": fingerprint(ArrayRecord(resumed.arrays))}
     path = write_metrics(config.output_dir, document)

@@ -17,14 +17,13 @@ from concatfl.bench.overhead import (
     bare_fedavg,
     cpu_model,
     data_config,
-    describe_data,
     fedconcat_costs,
     fedseq_latency,
     parse_options,
     process_label,
-    render_table,
     simulation_breakdown,
 )
+from concatfl.bench.overhead_report import describe_data, render_table
 
 from .e2e import leftover_processes
 from .test_bench import write_idx

@@ -11,7 +11,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from concatfl.fuzz import HUGE_EXAMPLES, KINDS, LABEL_MALFORMED, MALFORMED, POISONED, TRAIN_MALFORMED, corrupt, fuzz_mod, parse_kinds
 from concatfl.protocol import LABEL_DISTRIBUTION, LABELS_MESSAGE_TYPE
 from concatfl.strategies.common import reply_problem, to_numpy
-from concatfl.strategies.fedconcat import distribution_problem
+from concatfl.strategies.fedconcat_stage1 import distribution_problem
 
 SENT = ArrayRecord({"w": Array(np.ones((2, 3), dtype=np.float32)), "n": Array(np.asarray(4, dtype=np.int64))})
 

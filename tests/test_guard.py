@@ -11,7 +11,7 @@ from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from concatfl.core.bounds import bound_share, bounded_weight, move, reference, scale, update_norm
 from concatfl.strategies.aggregation import Aggregation
 from concatfl.strategies.common import Miss, Reply, Request, to_numpy, train_content
-from concatfl.strategies.fedconcat import distribution_problem
+from concatfl.strategies.fedconcat_stage1 import distribution_problem
 from concatfl.strategies.guard import WARN_AFTER_ROUNDS, ReplyGuard
 
 

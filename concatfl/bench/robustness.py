@@ -120,12 +120,18 @@ def suite() -> Suite:
 
 
 def fuzz_entries(metrics: Metrics) -> list[dict[str, Any]] | None:
-    """What the fuzzing mod did in this run (None: the mod was off)."""
+    """What the fuzzing mod did in this run (None: the mod was off). A resumed run shares its
+    log with the run it continues: that run's entries count up to the round it was resumed
+    after (the rounds after it were lost and done again)."""
     path = metrics["run_config"].get("fuzz-log", "")
     if not path or not float(metrics["run_config"].get("fuzz-share", 0)):
         return None
     log_file = Path(path)
-    return [json.loads(line) for line in log_file.read_text().splitlines()] if log_file.exists() else []
+    entries = [json.loads(line) for line in log_file.read_text().splitlines()] if log_file.exists() else []
+    resumed = metrics.get("resumed")
+    if resumed is None:
+        return entries
+    return [e for e in entries if e["run_id"] == metrics["run_id"] or (e["server_round"] or 0) <= resumed["after_round"]]
 
 
 def server_view(metrics: Metrics, entry: dict[str, Any]) -> str:

@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import threading
 import time
@@ -56,6 +55,7 @@ from ..deployment.session import FlowerSession
 from ..metrics import read_metrics
 from ..strategies.common import fingerprint
 from .inprocess import simulate_in_process
+from .overhead import cpu_model, load_average
 from .robustness import malformed_accepted, outsized_taken
 
 SUITE = "soak"
@@ -284,7 +284,7 @@ def soak(settings: Settings, out: Path) -> dict[str, Any]:
     """Run the soak (module docstring); returns the report, also written to `out`."""
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    started, load_before = time.monotonic(), os.getloadavg()
+    started, load_before = time.monotonic(), load_average()
     deadline = started + settings.time_limit
     certificates = make_certificates(out / "certs", settings.nodes)
     session = FlowerSession(
@@ -324,7 +324,7 @@ def soak(settings: Settings, out: Path) -> dict[str, Any]:
     report = {
         "settings": asdict(settings),
         "machine": machine(),
-        "load_average": {"start": [round(x, 2) for x in load_before], "end": [round(x, 2) for x in os.getloadavg()]},
+        "load_average": {"start": load_before, "end": load_average()},
         "wall_seconds": round(time.monotonic() - started, 1),
         "runs": runs,
         "faults": faults_by_kind(chaos.events),
@@ -349,9 +349,7 @@ def faults_by_kind(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def machine() -> str:
     """The machine in one line: CPU model, cores, memory."""
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return f"{model}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
 
 
 def render(report: dict[str, Any]) -> str:

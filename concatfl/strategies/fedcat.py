@@ -303,6 +303,10 @@ class FedCat(RelayStrategy):
             self._k = min(wanted, len(nodes))
             if self._k < wanted:
                 log(WARNING, "FedCat: K=%s but only %s nodes are connected; K=%s", wanted, len(nodes), self._k)
+            share = self._k / len(nodes)
+            log(INFO, "FedCat: K = %s of %s nodes train per round (%.0f %%): compare it with FedAvg(fraction_train=%.2g), "
+                "not FedAvg(), which trains all %s (k= or fraction_train= sets K)", self._k, len(nodes), 100 * share,
+                share, len(nodes))
             self._counts = CountTable(self._k)
             return arrays
         alive = set(nodes)

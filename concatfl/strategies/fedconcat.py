@@ -59,14 +59,12 @@ from ..models import resolve_model_name
 from ..protocol import (
     CACHE_MISS,
     CLASSIFIER_STEPS,
-    DP_EPSILON,
     ENCODERS_ID,
     ENCODERS_KEY,
     FEATURES_MESSAGE_TYPE,
     HEAD_MESSAGE_TYPE,
     HEAD_NAME,
     LABEL_DISTRIBUTION,
-    LABELS_MESSAGE_TYPE,
     MODEL_NAME,
     NUM_ENCODERS,
 )
@@ -88,6 +86,7 @@ from .common import (
 from .aggregation import Aggregation, as_aggregation, from_config as aggregation_from_config
 from .fedavg import sample_count
 from .feddyn import FedDynServer, from_config as feddyn_from_config
+from .fedconcat_stage1 import distribution_problem, label_requests, stage1_record
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
 
 if TYPE_CHECKING:
@@ -112,10 +111,6 @@ REQUIREMENTS = (
 )
 # Random inputs on which the server checks the split of `make_model()` at the head.
 SPLIT_CHECK_SIZE = 2
-# A reported distribution's entries must sum to 1 within this (clients send float64 values).
-DISTRIBUTION_TOLERANCE = 1e-6
-# With ε-DP, an entry may stray this many noise scales (1/ε) from [0, 1]: P = e^-40 ≈ 4e-18 each.
-DP_NOISE_BOUND = 40.0
 
 
 @dataclass
@@ -356,49 +351,19 @@ class FedConcat(RelayStrategy):
         self.cluster_updates = [0] * clustering.k
         if self.feddyn is not None:
             self.cluster_feddyn = self._fresh_cluster_feddyn(clustering.k)
-        clusters = []
         for cluster in range(clustering.k):
-            members = self.members(cluster)
-            clusters.append(
-                {
-                    "cluster": cluster,
-                    "members": members,
-                    "size": len(members),
-                    "centre": [round(float(p), 6) for p in clustering.centres[cluster]],
-                }
-            )
-            log(INFO, "Stage 1: cluster %d has %d nodes %s", cluster, len(members), members)
+            log(INFO, "Stage 1: cluster %d has %d nodes %s", cluster, len(self.members(cluster)), self.members(cluster))
         self.setup_record = {
             "variant": "fedconcat-id" if self.label_inference else "fedconcat",
-            "stage1": hop.as_record(),
-            "bytes_sent": hop.bytes_sent,
-            "bytes_received": hop.bytes_received,
-            "k_requested": clustering.requested,
-            "k": clustering.k,
-            "elbow_inertias": list(clustering.inertias),
+            **stage1_record(hop, stage1, self.assignment, distributions),
             "balanced": self.balanced,
-            "clusters": clusters,
-            "unreported_nodes": stage1.unreported,
-            "distributions": {
-                str(node): [round(float(p), 6) for p in distributions[node]] for node in sorted(distributions)
-            },
         }
 
     def _query_distributions(
         self, grid: Grid, nodes: list[int], num_classes: int
     ) -> tuple[dict[int, np.ndarray], HopResult]:
         """Stage 1-A: ask every node for its (possibly noised) label distribution."""
-        requests = [
-            Request(
-                node,
-                RecordDict({CONFIG_KEY: ConfigRecord({DP_EPSILON: self.dp_epsilon})}),
-                LABELS_MESSAGE_TYPE,
-                tag="labels",
-                require_num_examples=False,
-            )
-            for node in nodes
-        ]
-        hop = self.hop(grid, requests)
+        hop = self.hop(grid, label_requests(nodes, self.dp_epsilon))
         distributions = {}
         for reply in list(hop.replies):
             values = reply.metrics.get(LABEL_DISTRIBUTION)
@@ -774,31 +739,6 @@ class FedConcat(RelayStrategy):
         self.classifier = None if saved["classifier"] is None else to_record(saved["classifier"])
         self.cached = set(saved["cached"])
         self.bytes_by_stage = copy.deepcopy(saved["bytes_by_stage"])
-
-
-def distribution_problem(values: Any, num_classes: int, dp_epsilon: float) -> str | None:
-    """Why a reported label distribution is unusable, or None.
-
-    It must be `num_classes` finite numbers. Without noise (ε = 0) they are probabilities:
-    each ≥ 0 and their sum 1 (within DISTRIBUTION_TOLERANCE). With Laplace(1/ε) noise on each
-    entry an honest report can be negative and sum to anything, but no entry strays more than
-    DP_NOISE_BOUND/ε from [0, 1] (a probability of e^-DP_NOISE_BOUND per entry).
-    """
-    if not isinstance(values, list) or len(values) != num_classes:
-        return f"must be a list of {num_classes} numbers, got {values!r}"
-    distribution = np.asarray(values, dtype=np.float64)
-    if not np.isfinite(distribution).all():
-        return f"must be finite, got {values!r}"
-    if dp_epsilon > 0:
-        slack = DP_NOISE_BOUND / dp_epsilon
-        if distribution.min() < -slack or distribution.max() > 1 + slack:
-            return f"strays beyond [-{slack:g}, {1 + slack:g}] (more than Laplace noise at epsilon {dp_epsilon:g} does)"
-        return None
-    if distribution.min() < -DISTRIBUTION_TOLERANCE:
-        return f"has a negative entry ({distribution.min():g})"
-    if abs(distribution.sum() - 1.0) > DISTRIBUTION_TOLERANCE:
-        return f"sums to {distribution.sum():g}, not 1"
-    return None
 
 
 def _shapes(arrays: ArrayRecord) -> dict[str, tuple[int, ...]]:
