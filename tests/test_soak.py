@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from concatfl.bench.soak import Settings, soak
+from concatfl.metrics import read_metrics
 
 
 @pytest.mark.e2e
@@ -25,3 +26,14 @@ def test_a_short_soak_completes_resumes_exactly_accepts_no_bad_reply_and_leaves_
     assert run["malformed_accepted"] == 0 and run["outsized_taken_as_sent"] == 0
     assert report["faults"].get("supernode-killed", 0) >= 1 and report["faults"].get("superlink-killed") == 1
     assert report["processes_left"] == []
+    # FedCat loses no copy to a dead, restarted or fuzzed node: every round dispatches K copies; a
+    # copy whose reply is missing or rejected keeps its model and d_i, one that replied grows.
+    previous: list[int] = []
+    for record in read_metrics(tmp_path / "fedcat")["rounds"]:
+        assert len(record["copy_to_device"]) == len(record["data_sizes"]) == record["k"]
+        if record["offset"] == 0:
+            previous = [0] * record["k"]
+        missed = {miss["tag"] for miss in record["hops"][0]["misses"]}
+        for copy, (before, after) in enumerate(zip(previous, record["data_sizes"])):
+            assert (after == before) if copy in missed else (after > before), record
+        previous = record["data_sizes"]

@@ -241,10 +241,15 @@ def restart_superlink(
     resumed_run = session.submit({**config, "resume": True})
     chaos.note("run-resumed", run=config["strategy"], after_round=found["round"])
     chaos.pause(False)
+    # What the crash cost: the round in flight is done again; how long until it is.
+    wait_for(lambda: checkpointed() > found["round"], deadline - time.monotonic(),
+             f"round {found['round'] + 1} of the resumed run")
     return {
         "checkpoint": found,
+        "round_redone": found["round"] + 1,
         "seconds_until_nodes_back": round(reconnected - killed, 1),
         "nodes_back": len(online_node_ids(session)),
+        "seconds_until_redone_round": round(time.monotonic() - killed, 1),
         "resumed_run": resumed_run,
     }
 

@@ -258,8 +258,8 @@ class Blueprint:
             notes=(
                 scaled,
                 "Harness choices (no paper value given to the harness): " + "; ".join(self.choices) + ".",
-                "FedCat and FedSeq rows run the papers' algorithms exactly (fedcat-hop-clip / fedseq-hop-clip 0), "
-                "except a row marked 'default', which runs concatfl's default bounded hops.",
+                "FedCat and FedSeq rows run the papers' algorithms exactly (hop-step 1, hop-clip 0, update-clip 0), "
+                "except a row marked 'default', which runs concatfl's default hop rules and reply bounds.",
                 *([self.scale_notes[scale]] if scale in self.scale_notes else []),
             ),
             targets=self.targets,
@@ -351,7 +351,13 @@ FEDCAT_PROX_MU = {"mnist": 0.1, "fmnist": 0.1, "cifar10": 0.01, "digits": 0.1}
 
 # FedCat as concatfl runs it by default: damped, bounded hops (docs/strategies.md), not the paper's rule.
 DEFAULT_FEDCAT_LABEL = f"FedCat (hop-clip {RunConfig.fedcat_hop_clip:g}, hop-step {RunConfig.fedcat_hop_step}: default)"
-DEFAULT_FEDCAT_HOPS = {"fedcat-hop-step": RunConfig.fedcat_hop_step, "fedcat-hop-clip": RunConfig.fedcat_hop_clip}
+# concatfl's default FedCat: its hop rules and the bounds on every reply (the papers' rows have neither).
+DEFAULT_FEDCAT_HOPS = {
+    "fedcat-hop-step": RunConfig.fedcat_hop_step,
+    "fedcat-hop-clip": RunConfig.fedcat_hop_clip,
+    "update-clip": RunConfig.update_clip,
+    "weight-clip": RunConfig.weight_clip,
+}
 
 
 def _fedcat(dataset: str, knobs: Knobs) -> Rows:

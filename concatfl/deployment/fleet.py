@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from .. import PROJECT_DIR
 from .commands import Certificates, supernode_security
+from .processes import kill_process_tree
 from .session import FlowerSession
 
 T = TypeVar("T")
@@ -104,7 +105,8 @@ def restart_when_possible(
         process = start_authenticated_node(session, certificates, node.partition_id, num_partitions)
         try:
             wait_for(lambda: process.poll() is not None or log_count(log_file, "SuperNode ID:") > before, 60, "start")
-        except AssertionError:
+        except AssertionError:  # still trying to reach the SuperLink: stop it before the next try
+            kill_process_tree(process)
             return False
         if process.poll() is None:
             node.process = process
