@@ -13,8 +13,8 @@ from concatfl.metrics import read_metrics
 
 @pytest.mark.e2e
 def test_a_short_soak_completes_resumes_exactly_accepts_no_bad_reply_and_leaves_nothing(tmp_path):
-    settings = Settings(nodes=6, rounds=6, strategies=("fedcat",), fuzz_share=0.1, kill_every=40.0,
-                        round_timeout=20.0, superlink_restart="fedcat", superlink_restart_after=2, hang=False,
+    settings = Settings(nodes=6, rounds=5, strategies=("fedcat",), fuzz_share=0.1, kill_every=60.0,
+                        round_timeout=30.0, superlink_restart="fedcat", superlink_restart_after=2, hang=False,
                         time_limit=900.0, seed=1)
     report = soak(settings, tmp_path)
     (run,) = report["runs"]

@@ -12,8 +12,9 @@ tests/apps/quickstart (its own model and ClientApp with the mod, the same optimi
 
 Each run's fuzz log (the ground truth: which node sent which kind in which round) is compared
 with what the server recorded (rejected replies in the hops' misses, clipped and down-weighted
-ones under ``guard``): the table counts the malformed replies the server accepted (it must be
-0) and the outsized ones (× 10⁶, 10¹² examples) it took as they were sent. Runs are in-process
+ones under ``guard``; a reply that came too late or as an error is missing, never used): the
+table counts the malformed replies the server accepted (it must be 0) and the outsized ones
+(× 10⁶, 10¹² examples) it took as they were sent. Runs are in-process
 (`concatfl.bench.inprocess`).
 """
 
@@ -135,7 +136,8 @@ def fuzz_entries(metrics: Metrics) -> list[dict[str, Any]] | None:
 
 
 def server_view(metrics: Metrics, entry: dict[str, Any]) -> str:
-    """How the server treated one fuzzed reply: "rejected", "bounded" or "accepted".
+    """How the server treated one fuzzed reply: "rejected", "bounded", "missing" (it never used
+    it: the reply came too late, or as an error) or "accepted".
 
     The records name nodes by partition id where concatfl's ServerApp identifies them
     (`node_identity` in metrics.json), else by Flower node id. A reply without a round (a label
@@ -145,12 +147,13 @@ def server_view(metrics: Metrics, entry: dict[str, Any]) -> str:
     server_round = entry["server_round"] or 0
     record = metrics["setup"] if server_round == 0 else metrics["rounds"][server_round - 1]
     hops = record.get("hops") or [hop for key, hop in record.items() if isinstance(hop, dict) and "misses" in hop]
-    if any(int(miss["node"]) == node and miss["reason"].startswith("rejected") for hop in hops for miss in hop["misses"]):
+    reasons = [miss["reason"] for hop in hops for miss in hop["misses"] if int(miss["node"]) == node]
+    if any(reason.startswith("rejected") for reason in reasons):
         return "rejected"
     guarded = record.get("guard", {})
     if any(int(event["node"]) == node for kind in ("clipped", "down-weighted") for event in guarded.get(kind, [])):
         return "bounded"
-    return "accepted"
+    return "missing" if reasons else "accepted"
 
 
 def malformed_accepted(metrics: Metrics) -> float | None:
@@ -158,7 +161,7 @@ def malformed_accepted(metrics: Metrics) -> float | None:
     entries = fuzz_entries(metrics)
     if entries is None:
         return None
-    return float(sum(server_view(metrics, e) != "rejected" for e in entries if e["kind"] in MALFORMED))
+    return float(sum(server_view(metrics, e) == "accepted" for e in entries if e["kind"] in MALFORMED))
 
 
 def outsized_taken(metrics: Metrics) -> float | None:

@@ -92,7 +92,7 @@ class Settings:
     fuzz_share: float = 0.1
     kill_share: float = 0.1
     kill_every: float = 30.0
-    round_timeout: float = 20.0
+    round_timeout: float = 30.0
     superlink_restart: str = "fedcat"
     superlink_restart_after: int = 2
     hang: bool = True
