@@ -13,8 +13,8 @@ from concatfl.metrics import read_metrics
 
 @pytest.mark.e2e
 def test_a_short_soak_completes_resumes_exactly_accepts_no_bad_reply_and_leaves_nothing(tmp_path):
-    settings = Settings(nodes=6, rounds=5, strategies=("fedcat",), fuzz_share=0.1, kill_every=60.0,
-                        round_timeout=30.0, superlink_restart="fedcat", superlink_restart_after=2, hang=False,
+    settings = Settings(nodes=6, rounds=4, strategies=("fedcat",), fuzz_share=0.1, kill_every=20.0, max_kills=1,
+                        round_timeout=30.0, superlink_restart="fedcat", superlink_restart_after=1, hang=False,
                         time_limit=900.0, seed=1)
     report = soak(settings, tmp_path)
     (run,) = report["runs"]
@@ -24,7 +24,7 @@ def test_a_short_soak_completes_resumes_exactly_accepts_no_bad_reply_and_leaves_
     # The resumed run started from the very model of the checkpoint the crash left.
     assert run["resumed"] == {"after_round": restart["checkpoint"]["round"], "model": restart["checkpoint"]["model"]}
     assert run["malformed_accepted"] == 0 and run["outsized_taken_as_sent"] == 0
-    assert report["faults"].get("supernode-killed", 0) >= 1 and report["faults"].get("superlink-killed") == 1
+    assert report["faults"].get("supernode-killed") == 1 and report["faults"].get("superlink-killed") == 1
     assert report["processes_left"] == []
     # FedCat loses no copy to a dead, restarted or fuzzed node: every round dispatches K copies; a
     # copy whose reply is missing or rejected keeps its model and d_i, one that replied grows.

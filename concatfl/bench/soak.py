@@ -92,6 +92,7 @@ class Settings:
     fuzz_share: float = 0.1
     kill_share: float = 0.1
     kill_every: float = 30.0
+    max_kills: int | None = None  # None: as many as the time allows
     round_timeout: float = 30.0
     superlink_restart: str = "fedcat"
     superlink_restart_after: int = 2
@@ -154,6 +155,9 @@ class Chaos:
             if self._paused.is_set():
                 continue
             with self._lock:
+                killed = sum(event["kind"] == "supernode-killed" for event in self.events)
+                if self.settings.max_kills is not None and killed >= self.settings.max_kills:
+                    return
                 up = sorted(set(self.nodes) - self._down - self.protected)
                 # Never more than half the nodes down at once: the runs need their minimum.
                 room = max(0, len(self.nodes) // 2 - len(self._down))

@@ -112,6 +112,7 @@ class FlowerCli:
                 in_namespace(["flwr", "log", run_id, CONNECTION, "--stream"], self.cli_netns),
                 env=self.env,
                 stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,  # the CLI's own lines go through the same filter
                 start_new_session=True,
             )
             if stream
