@@ -406,30 +406,38 @@ def capacity(counts: list[int], executor: str, out: Path, idle_seconds: float = 
             start_authenticated_nodes(session, certificates, list(range(count)), count)
             try:
                 wait_for(lambda: len(online_node_ids(session)) == count, 300, "every SuperNode online")
+                row.update(_measure_capacity(session, count, workdir, idle_seconds))
             except AssertionError as error:
-                rows.append({**row, "ok": False, "error": str(error)})
-                continue
-            family = _family(session)
-            before = {p.pid: _cpu(p) for p in family}
-            time.sleep(idle_seconds)
-            used = sum(_cpu(p) - before.get(p.pid, 0.0) for p in _family(session))
-            row["idle_cpu_per_node"] = round(used / idle_seconds / count, 4)
-            peak = _Peak(session)
-            config = {**run_config(Settings(nodes=count, rounds=1), "fedseq", workdir / "run"), "fuzz-share": 0.0,
-                      "min-available-nodes": count, "round-timeout": 600.0}
-            started = time.monotonic()
-            try:
-                session.wait(session.submit(config), timeout=900)
-                row["ok"] = True
-            except SimulationError as error:
-                row.update(ok=False, error=str(error).splitlines()[0])
-            row["fedseq_round_seconds"] = round(time.monotonic() - started, 1)
-            row["peak_rss_mib_per_node"] = round(peak.stop() / count / 2**20, 1)
+                row.update(ok=False, error=str(error))
         row["processes_left"] = len(leftover_processes(workdir))
         rows.append(row)
         if not row.get("ok") or psutil.virtual_memory().available < 2 * 2**30:
             break
     return rows
+
+
+def _measure_capacity(session: FlowerSession, count: int, workdir: Path, idle_seconds: float) -> dict[str, Any]:
+    """Idle CPU per node over `idle_seconds`, then one FedSeq round: its wall time and the nodes'
+    peak resident memory."""
+    row: dict[str, Any] = {}
+    family = _family(session)
+    before = {p.pid: _cpu(p) for p in family}
+    time.sleep(idle_seconds)
+    used = sum(_cpu(p) - before.get(p.pid, 0.0) for p in _family(session))
+    row["idle_cpu_per_node"] = round(used / idle_seconds / count, 4)
+    peak = _Peak(session)
+    config = {**run_config(Settings(nodes=count, rounds=1), "fedseq", workdir / "run"), "fuzz-share": 0.0,
+              "min-available-nodes": count, "round-timeout": 600.0}
+    started = time.monotonic()
+    try:
+        session.wait(session.submit(config), timeout=900)
+        row["ok"] = True
+    except SimulationError as error:
+        row.update(ok=False, error=str(error).splitlines()[0])
+    finally:
+        row["fedseq_round_seconds"] = round(time.monotonic() - started, 1)
+        row["peak_rss_mib_per_node"] = round(peak.stop() / count / 2**20, 1)
+    return row
 
 
 def _family(session: FlowerSession) -> list[psutil.Process]:
