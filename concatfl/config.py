@@ -88,7 +88,7 @@ class RunConfig:
     fedcat_epsilon: float = 0.5
     fedcat_selection: str = "grouped-count"
     fedcat_concat: bool = True
-    fedcat_hop_step: str = "auto"
+    fedcat_hop_step: str = "0.5"
     fedcat_hop_clip: float = 1.5
     fedseq_pretrain_epochs: int = 10
     fedseq_approximator: str = "conf"

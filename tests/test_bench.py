@@ -244,13 +244,13 @@ def test_the_header_lists_every_change_from_the_paper_scale():
     assert "clients: 100 → 20" in small.notes[0] and "local epochs" not in small.notes[0]
     assert "train images: all → 12,000 (600 per client" in small.notes[0] and small.subsample == Subsample(12000, 2000)
     assert "datasets: MNIST, Fashion-MNIST, CIFAR-10 → MNIST, CIFAR-10" in small.notes[0]
-    default = "FedCat (hop-clip 1.5, hop-step auto: default)"
+    default = "FedCat (hop-clip 1.5, hop-step 0.5: default)"
     assert f"on CIFAR-10: no change → [Dirichlet α: 0.1, 1.0; methods: FedAvg, FedCat, {default}] (" in small.notes[0]
     cifar10 = [(c.setting.label, c.method) for c in small.cells if c.dataset == "cifar10"]
     methods = ("FedAvg", "FedCat", default, "Centralized")
     assert cifar10 == [(f"CIFAR-10 Dir({a})", m) for a in ("0.1", "1.0") for m in methods]
     hops = small.cell(small.settings[0], default).run_config
-    assert (hops["strategy"], hops["fedcat-hop-step"], hops["fedcat-hop-clip"]) == ("fedcat", "auto", 1.5)
+    assert (hops["strategy"], hops["fedcat-hop-step"], hops["fedcat-hop-clip"]) == ("fedcat", "0.5", 1.5)
     assert small.cell(small.settings[0], "FedCat").run_config["fedcat-hop-clip"] == 0.0
     concat_paper = get_suite("fedconcat", "paper")
     assert [s.name for s in concat_paper.settings][:4] == ["fmnist-c2", "fmnist-c3", "fmnist-dir0.1", "fmnist-dir0.5"]

@@ -41,7 +41,7 @@ from .common import (
 )
 from .feddyn import FedDynServer, from_config as feddyn_from_config
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
-from .sequential import DEFAULT_HOP_CLIP, FEDCAT_HOP_STEP, ChainGuard
+from .sequential import DEFAULT_HOP_CLIP, DEFAULT_HOP_STEP, ChainGuard
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -115,8 +115,8 @@ class FedCat(RelayStrategy):
         K shrinking) the server applies FedDyn's step with the K copies as its m clients, θ_prev
         the model the cycle started from and the d_i-weighted average as the mean. The average
         reported for a last round inside a cycle is not corrected (h is left for a resumed run).
-    hop_step, hop_clip, check_parts (default: "auto", 1.5, True)
-        The server's damped (η; "auto": adapted from the hops' lengths) and bounded (c) hops and
+    hop_step, hop_clip, check_parts (default: 0.5, 1.5, True)
+        The server's damped (η; "auto": adapted from the hops' lengths, an option: docs/strategies.md) and bounded (c) hops and
         its divergence check: see `ChainGuard` and docs/strategies.md. `hop_step=1,
         hop_clip=0` (with `update_clip=0`) is the paper's algorithm exactly.
     fraction_evaluate, round_timeout, seed, update_clip, weight_clip
@@ -133,7 +133,7 @@ class FedCat(RelayStrategy):
         selection: str = "grouped-count",
         concat: bool = True,
         feddyn: FedDynServer | None = None,
-        hop_step: float | str = FEDCAT_HOP_STEP,
+        hop_step: float | str = DEFAULT_HOP_STEP,
         hop_clip: float = DEFAULT_HOP_CLIP,
         check_parts: bool = True,
         fraction_evaluate: float = 0.0,

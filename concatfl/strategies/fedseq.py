@@ -45,7 +45,7 @@ from .common import (
 from .fedavg import sample_count
 from .feddyn import FedDynServer, from_config as feddyn_from_config
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
-from .sequential import DEFAULT_HOP_CLIP, FEDSEQ_HOP_STEP, ChainGuard
+from .sequential import DEFAULT_HOP_CLIP, DEFAULT_HOP_STEP, ChainGuard
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -150,9 +150,8 @@ class FedSeq(RelayStrategy):
         message answered with ``metrics["label-counts"]``) and report the superclients'
         balance from them too.
     hop_step, hop_clip, check_parts (default: 0.5, 1.5, True)
-        The server's damped (η; "auto": adapted from the hops' lengths, not the default here:
-        docs/strategies.md) and bounded (c) hops and its divergence check: see `ChainGuard` and docs/strategies.md. `hop_step=1,
-        hop_clip=0` (with `update_clip=0`) is the paper's algorithm exactly.
+        The server's damped (η; "auto": adapted from the hops' lengths) and bounded (c) hops
+        and its divergence check: see `ChainGuard` and docs/strategies.md. `hop_step=1, hop_clip=0` (with `update_clip=0`) is the paper's algorithm exactly.
     fraction_evaluate, round_timeout, seed, update_clip, weight_clip
         See `RelayStrategy`. The pre-training replies are bounded against each other (stream
         "pretrain"): their sample counts are the superclients' weights.
@@ -183,7 +182,7 @@ class FedSeq(RelayStrategy):
         proximal_mu: float = 0.0,
         feddyn: FedDynServer | None = None,
         report_label_counts: bool = False,
-        hop_step: float | str = FEDSEQ_HOP_STEP,
+        hop_step: float | str = DEFAULT_HOP_STEP,
         hop_clip: float = DEFAULT_HOP_CLIP,
         check_parts: bool = True,
         fraction_evaluate: float = 0.0,
