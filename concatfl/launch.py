@@ -28,7 +28,7 @@ from . import PROJECT_DIR
 from .config import RunConfig
 from .deployment.cli import plain_flower_logs
 from .deployment.processes import SimulationError
-from .deployment.processes import exit_on_sigterm
+from .deployment.processes import exit_on_signals
 from .deployment.session import FlowerSession
 from .metrics import read_metrics
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns 2 for a bad argument or run-config value (found before anything starts), 1 when
     the run did not complete.
     """
-    exit_on_sigterm()
+    exit_on_signals()
     plain_flower_logs()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-supernodes", type=int, default=10)

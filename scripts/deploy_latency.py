@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import psutil
 
 from concatfl import PROJECT_DIR
-from concatfl.deployment.processes import exit_on_sigterm
+from concatfl.deployment.processes import exit_on_signals
 from concatfl.deployment.session import FlowerSession
 from concatfl.metrics import read_metrics
 from concatfl.deployment.warm_executor import task_records
@@ -249,7 +249,7 @@ def serialization() -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure every variant and write the figures as JSON."""
-    exit_on_sigterm()  # SIGTERM (`timeout`, a scheduler) unwinds the sessions: nothing is left running
+    exit_on_signals()  # SIGTERM (`timeout`, a scheduler) unwinds the sessions: nothing is left running
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)

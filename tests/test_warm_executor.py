@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from concatfl import PROJECT_DIR
@@ -24,6 +28,7 @@ from concatfl.deployment.warm_executor import (
     task_records,
 )
 from concatfl.deployment.fleet import log_count, online_node_ids, wait_for
+from concatfl.deployment.processes import kill_process_tree
 
 from .deploy import FAST_POLLING
 from .e2e import leftover_processes
@@ -51,6 +56,29 @@ def test_a_flower_of_another_shape_runs_flowers_own_superexec_with_the_same_conn
         "flower-superexec", "--runtime-api-address", "127.0.0.1:9094", "--root-certificates", "/certs/ca.crt",
         "--parent-pid", "42",
     ])]
+
+
+def test_an_executor_started_with_sigint_ignored_still_exits_with_its_parent():
+    # As from a shell's background job (`… &`, nohup): SIGINT ignored, inherited by every child.
+    parent = subprocess.Popen(["sleep", "1"], preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    executor = subprocess.Popen(
+        [sys.executable, "-m", "concatfl.deployment.warm_executor", "--runtime-api-address", "127.0.0.1:1",
+         "--insecure", "--parent-pid", str(parent.pid)],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        parent.wait()
+        executor.wait(timeout=60)  # it retries its connection to nothing until the parent is gone
+    finally:
+        kill_process_tree(executor)
+
+    def its_worker() -> list[psutil.Process]:
+        flag = f"--parent-pid {executor.pid}"
+        return [p for p in psutil.process_iter(["cmdline"]) if flag in " ".join(p.info["cmdline"] or [])]
+
+    wait_for(lambda: not its_worker(), 30, "the executor's worker to exit with it")
 
 
 def test_bad_arguments_name_the_flag(capsys):

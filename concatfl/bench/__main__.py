@@ -17,7 +17,7 @@ from typing import Any
 
 from ..data.datasets import DATASETS
 from ..deployment.cli import plain_flower_logs
-from ..deployment.processes import exit_on_sigterm
+from ..deployment.processes import exit_on_signals
 from ..launch import parse_overrides
 from . import overhead, robustness, soak, stability
 from .inprocess import simulate_in_process
@@ -61,7 +61,7 @@ def dry_run(
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, run (or list) the suite, print its table."""
-    exit_on_sigterm()
+    exit_on_signals()
     plain_flower_logs()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [overhead.SUITE]:

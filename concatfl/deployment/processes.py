@@ -87,9 +87,13 @@ def port_open(host: str, port: int, netns: str | None) -> bool:
     return subprocess.run(in_namespace([sys.executable, "-c", probe], netns), check=False).returncode == 0
 
 
-def exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit so FlowerSession stops the SuperLink it started."""
+def exit_on_signals() -> None:
+    """Turn SIGTERM into SystemExit and SIGINT into KeyboardInterrupt, so FlowerSession stops
+    what it started. SIGINT too, because a command started in the background by a shell (`… &`,
+    nohup) inherits it ignored, and so would every process it starts: Ctrl-C would do nothing
+    and Flower's parent-process monitors (SIGINT when the parent is gone) would be ignored."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def leftover_processes(workdir: Path) -> list[str]:

@@ -517,6 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     with the same connection (one process per task, Flower's behaviour), with a warning.
     """
     args = parse_args(argv)
+    # The parent monitor stops this process with SIGINT, but a process started in the background
+    # by a shell (`… &`, nohup) inherits SIGINT ignored: the executors of SuperNodes that had
+    # exited then kept retrying their connection for ever. Take SIGINT back (an exec into
+    # flower-superexec starts it with the default disposition too).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if not args.worker:
         from concatfl.deployment.compat import clientapp_steps_problem  # pylint: disable=import-outside-toplevel
 
