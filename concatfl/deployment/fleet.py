@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from .. import PROJECT_DIR
 from .commands import Certificates, supernode_security
-from .processes import kill_process_tree
+from .processes import SimulationError, kill_process_tree
 from .session import FlowerSession
 
 T = TypeVar("T")
@@ -93,12 +93,19 @@ def restart_when_possible(
     """Start the killed SuperNode again (same key, so the same node id, and same partition).
 
     The SuperLink refuses to activate a node id it still lists as online: a SIGKILLed node is
-    listed until two heartbeat intervals (2 x 30 s) pass without a heartbeat. The restarted
-    process exits with "Failed to activate SuperNode" until then, so it is retried. Returns the
-    seconds the restart took.
+    listed until two heartbeat intervals (2 x 30 s) pass without a heartbeat. So the node is
+    started once the SuperLink lists it offline (a start before that exits with "Failed to
+    activate SuperNode", and each try costs a SuperNode, an executor and a worker), and retried
+    if it still fails. Returns the seconds the restart took.
     """
     started = time.monotonic()
     log_file = session.workdir / f"supernode-{node.partition_id}.log"
+
+    def listed_offline() -> bool:
+        try:
+            return node.node_id not in online_node_ids(session)
+        except (SimulationError, subprocess.TimeoutExpired):  # the SuperLink is down or restarting
+            return False
 
     def attempt() -> bool:
         before = log_count(log_file, "SuperNode ID:")
@@ -113,5 +120,6 @@ def restart_when_possible(
             return True
         return False
 
-    wait_for(attempt, timeout, f"SuperNode {node.partition_id} to be accepted again", interval=2.0)
+    wait_for(listed_offline, timeout, f"SuperNode {node.partition_id} to be listed offline", interval=5.0)
+    wait_for(attempt, timeout - (time.monotonic() - started), f"SuperNode {node.partition_id} to be accepted again", interval=2.0)
     return time.monotonic() - started
