@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -180,3 +181,21 @@ def test_a_crashed_worker_is_replaced_and_a_new_app_version_gets_a_fresh_worker(
     assert without_process_facts(second) == [{"action": "count", "count": 1, "version": 2}]
     assert second[0]["pid"] not in after
     assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.e2e
+def test_a_supernode_killed_mid_task_takes_its_executor_and_worker_with_it(tmp_path):
+    with one_node_session(tmp_path, "warm") as session:
+        start_node(session)
+        session.submit({"plan": "sleep", "reply-timeout": 120.0, "output-dir": str(tmp_path / "output")}, app_dir=STATEFUL_APP)
+        executor = session.executors[0]
+        wait_for(lambda: psutil.Process(executor.pid).children(), 60, "the executor's worker")
+        (worker,) = psutil.Process(executor.pid).children()
+        wait_for(lambda: log_count(tmp_path / "supernode-0.log", "Receiving: train message"), 120, "the task")
+        time.sleep(2)  # the worker has claimed it (it polls every 0.2 s) and sleeps in the ClientApp
+        (supernode,) = [p for p in session.processes if p.args and "concatfl.deployment.supernode" in " ".join(p.args)]
+        kill_process_tree(supernode)
+        # The worker would reply after 60 s to a SuperNode that is gone and retry for ever.
+        executor.wait(timeout=30)
+        wait_for(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 30, "the worker to exit")
+

@@ -71,7 +71,10 @@ class FlowerCli:
 
     def supernodes(self) -> list[dict[str, Any]]:
         """The SuperLink's node list (`flwr supernode ls`): one dict per node, with its status."""
-        return list(json.loads(self.flwr(["supernode", "ls", CONNECTION, "--format", "json"]))["nodes"])
+        listing = json.loads(self.flwr(["supernode", "ls", CONNECTION, "--format", "json"]))
+        if "nodes" not in listing:  # the CLI exits 0 when the SuperLink refused (e.g. restarting)
+            raise SimulationError(f"listing the SuperNodes failed: {listing.get('error-message', listing)}")
+        return list(listing["nodes"])
 
     def flwr(self, args: list[str], timeout: float = 120) -> str:
         """Run the `flwr` CLI against this SuperLink; fail with its output on error."""

@@ -46,6 +46,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
@@ -539,17 +540,43 @@ def main(argv: list[str] | None = None) -> int:
         args.root_certificates,
         load_superexec_auth_secret(args.superexec_auth_secret_file),
     )
-    if args.parent_pid is not None:
-        start_parent_process_monitor(args.parent_pid)  # SIGINT when the parent is gone
     if args.worker:
+        if args.parent_pid is not None:
+            start_parent_process_monitor(args.parent_pid)  # SIGINT when the supervisor is gone
         worker_main(connection, args.reply_fd, args.preload)
         return 0
+    supervisor = Supervisor(connection, args.poll_interval)
+    if args.parent_pid is not None:
+        threading.Thread(target=stop_with_parent, args=(args.parent_pid, supervisor), daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # run `finally`: stop the worker
     try:
-        Supervisor(connection, args.poll_interval).serve()
+        supervisor.serve()
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def stop_with_parent(parent_pid: int, supervisor: Supervisor) -> None:
+    """Once the SuperNode `parent_pid` is gone: SIGINT to this process, and kill the worker.
+
+    Flower's parent monitor only raises SIGINT; its handler runs in the main thread, which may be
+    blocked reading the reply of a task whose worker keeps retrying to push to the dead SuperNode
+    (the soak found such pairs still running minutes later). Killing the worker ends that read.
+    """
+    import psutil  # pylint: disable=import-outside-toplevel
+
+    def parent_alive() -> bool:
+        try:
+            return psutil.Process(parent_pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    while parent_alive():
+        time.sleep(0.2)
+    signal.raise_signal(signal.SIGINT)  # pending in the main thread before its read returns
+    if supervisor.worker is not None:
+        with contextlib.suppress(ProcessLookupError):
+            supervisor.worker.process.kill()
 
 
 if __name__ == "__main__":

@@ -6,13 +6,15 @@ message at a time, and writes each node's replies to `<output-dir>/replies.json`
 
 ClientApp: every train message increments a counter kept in `context.state`, then acts:
 `count` replies with the counter, VERSION, the process id and its resident memory; `raise` raises
-RuntimeError; `exit` ends the process at once (`os._exit`), as a crash would.
+RuntimeError; `exit` ends the process at once (`os._exit`), as a crash would; `sleep` replies
+after 60 s (a task still running when its SuperNode dies).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import psutil
@@ -23,7 +25,7 @@ from flwr.serverapp import Grid, ServerApp
 from concatfl.client_app import query_handler
 from concatfl.deployment.grid import StableNodeGrid
 
-ACTIONS = ("count", "raise", "exit")
+ACTIONS = ("count", "raise", "exit", "sleep")
 COUNTER = "counter"
 VERSION = 1  # tests change it in a copy of this app: a new app version (FAB hash)
 
@@ -42,6 +44,8 @@ def act(message: Message, context: Context) -> Message:
         raise RuntimeError(f"raised on purpose at message {count}")
     if action == "exit":
         os._exit(3)
+    if action == "sleep":
+        time.sleep(60)
     process = psutil.Process()
     metrics = MetricRecord({"count": count, "version": VERSION, "pid": process.pid, "rss": process.memory_info().rss})
     return Message(RecordDict({"metrics": metrics}), reply_to=message)
