@@ -393,7 +393,9 @@ def render(report: dict[str, Any]) -> str:
 
 
 def capacity(counts: list[int], executor: str, out: Path, idle_seconds: float = 15.0) -> list[dict[str, Any]]:
-    """For each N: N SuperNodes idle (CPU per node) then one FedSeq round (peak memory, wall)."""
+    """For each N: N SuperNodes idle (CPU per node) then one FedSeq round (peak memory, wall).
+    The rows so far are written to `out/capacity-<executor>.json` after each N (a sweep stopped
+    by a time limit keeps them), with the load average beside each."""
     rows = []
     for count in counts:
         workdir = (out / f"capacity-{executor}-{count}").resolve()
@@ -410,7 +412,9 @@ def capacity(counts: list[int], executor: str, out: Path, idle_seconds: float = 
             except AssertionError as error:
                 row.update(ok=False, error=str(error))
         row["processes_left"] = len(leftover_processes(workdir))
+        row["load_average"] = load_average()
         rows.append(row)
+        (out / f"capacity-{executor}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
         if not row.get("ok") or psutil.virtual_memory().available < 2 * 2**30:
             break
     return rows
@@ -509,7 +513,6 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) / SUITE
     if args.capacity:
         rows = capacity([int(n) for n in args.capacity.split(",")], args.executor, out)
-        (out / f"capacity-{args.executor}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
         print(json.dumps(rows, indent=1))
         return 0 if all(not row.get("processes_left") for row in rows) else 1
     strategies = tuple(s for s in args.strategies.split(",") if s)
