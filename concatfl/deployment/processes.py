@@ -92,8 +92,15 @@ def exit_on_signals() -> None:
     what it started. SIGINT too, because a command started in the background by a shell (`… &`,
     nohup) inherits it ignored, and so would every process it starts: Ctrl-C would do nothing
     and Flower's parent-process monitors (SIGINT when the parent is gone) would be ignored."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.signal(signal.SIGTERM, _exit_once)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _exit_once(signum: int, _frame: object) -> None:
+    # `timeout` signals the command and then its whole process group: a second SIGTERM landing
+    # in the cleanup would cut it short and leave the SuperLink and SuperNodes running.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(128 + signum)
 
 
 def leftover_processes(workdir: Path) -> list[str]:

@@ -109,9 +109,15 @@ class FlowerSession(FlowerCli):
 
     def __exit__(self, *exc: object) -> None:
         self.closed = True
+        interrupted: BaseException | None = None
         for process in reversed(self.processes):
-            stop_process_tree(process)
+            try:
+                stop_process_tree(process)
+            except BaseException as error:  # pylint: disable=broad-exception-caught
+                interrupted = interrupted or error  # stop the others first (a second Ctrl-C, …)
         shutil.rmtree(self.ray_tmpdir, ignore_errors=True)
+        if interrupted is not None:
+            raise interrupted
 
     def spawn(self, command: list[str], log_name: str, netns: str | None = None) -> subprocess.Popen[bytes]:
         """Start a process (in `netns`, logging to `workdir/log_name`) that the session will stop;
