@@ -86,6 +86,7 @@ def train_handler(message: Message, context: Context) -> Message:
         batch_size=int(settings["batch-size"]),
         lr=float(settings["lr"]),
         momentum=float(settings["momentum"]),
+        optimizer=str(settings["optimizer"]),
         weight_decay=float(settings["weight-decay"]),
         normalization=data.normalization,
         device=device,

@@ -23,9 +23,14 @@ The run-config key ``local-objective`` (or the message's ``config["local-objecti
 
 SCAFFOLD (Karimireddy et al. 2020) is a strategy, not a local objective: a train message that
 carries a ``"control"`` ArrayRecord (the server's c) is a SCAFFOLD round. The client adds
-⟨c − c_i, θ⟩ to the loss (so every step's gradient is corrected by c − c_i), then applies option
+⟨c − c_i, θ⟩ to the loss (so every step's gradient is corrected by c − c_i), computes option
 II, c_i⁺ = c_i − c + (x − y_i)/(K·η) with K local steps of learning rate η, and replies with
-the model delta y_i − x under ``"arrays"`` and Δc_i = c_i⁺ − c_i under ``"control"``.
+the model delta y_i − x under ``"arrays"`` and Δc_i = c_i⁺ − c_i under ``"control"``. The
+server's c = mean of the c_i holds only if a client's c_i moves exactly when the server adds
+its Δc_i: so the client keeps Δc_i *pending* and commits it when the server's next message to
+it says the reply was taken (``config["scaffold-taken-round"]`` = that reply's round, with
+``"scaffold-taken-share"``, the share of Δc_i the server's bound let in); a reply that was
+lost, late or rejected leaves c_i as it was.
 
 All client state lives in ``context.state`` (keys below), so it works the same in simulation
 and in deployment. State that is missing (a client's first training in the run, or a restarted
@@ -42,7 +47,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from flwr.supercore import log
 from torch import nn
 from torch.nn import functional as F
@@ -55,6 +60,11 @@ CONTROL_KEY = "control"
 FEDDYN_STATE = "feddyn-gradient"
 MOON_STATE = "moon-previous"
 SCAFFOLD_STATE = "scaffold-control"
+SCAFFOLD_PENDING = "scaffold-pending"  # Δc_i of the last reply, until the server says it was taken
+SCAFFOLD_PENDING_ROUND = "scaffold-pending-round"  # a ConfigRecord: {"round": that reply's round}
+# What a SCAFFOLD message tells the client about its last reply (0: none taken yet).
+SCAFFOLD_TAKEN_ROUND = "scaffold-taken-round"
+SCAFFOLD_TAKEN_SHARE = "scaffold-taken-share"
 # FedLC: the count an absent class is given (n^(-1/4) = 100).
 FEDLC_MIN_COUNT = 1e-8
 
@@ -222,7 +232,10 @@ def build_objective(
             raise ValueError("a SCAFFOLD round corrects the gradients itself: use local-objective='sgd', proximal-mu=0")
         steps = local_steps(num_examples, int(settings["batch-size"]), int(settings["local-epochs"]))
         lr, momentum = float(settings["lr"]), float(settings["momentum"])
-        return _scaffold(state, frozen_received(), control, steps, lr, momentum, device)
+        commit_scaffold_control(
+            state, int(settings.get(SCAFFOLD_TAKEN_ROUND, 0)), float(settings.get(SCAFFOLD_TAKEN_SHARE, 1.0))
+        )
+        return _scaffold(state, frozen_received(), control, steps, lr, momentum, device, int(settings.get("server-round", 0)))
     if mu > 0 and name not in ("sgd", "fedprox"):
         raise ValueError(f"proximal-mu > 0 is FedProx's weight; it does not combine with local-objective={name!r}")
     if name == "fedprox" and mu <= 0:
@@ -293,6 +306,25 @@ def _moon(
     return LocalObjective("moon", loss=loss, finish=finish)
 
 
+def commit_scaffold_control(state: RecordDict, taken_round: int, share: float) -> bool:
+    """Settle the pending Δc_i of the client's last SCAFFOLD reply: c_i ← c_i + share·Δc_i when
+    the server took that reply (`taken_round` is its round), else drop it (the reply was lost,
+    late or rejected: the server's c never saw it). Returns whether c_i moved."""
+    pending = state.array_records.get(SCAFFOLD_PENDING)
+    marker = state.config_records.get(SCAFFOLD_PENDING_ROUND)
+    if pending is None or marker is None:
+        return False
+    del state[SCAFFOLD_PENDING], state[SCAFFOLD_PENDING_ROUND]
+    if int(marker["round"]) != taken_round:
+        log(INFO, "SCAFFOLD: the server did not take this client's reply of round %s; c_i stays", marker["round"])
+        return False
+    delta = {key: array.numpy() for key, array in pending.items()}
+    committed = state.array_records.get(SCAFFOLD_STATE)
+    base = {key: committed[key].numpy() for key in delta} if committed is not None else {k: np.zeros_like(v) for k, v in delta.items()}
+    state[SCAFFOLD_STATE] = _record({key: base[key] + share * delta[key] for key in delta})
+    return True
+
+
 # pylint: disable=too-many-arguments
 def _scaffold(
     state: RecordDict,
@@ -302,6 +334,7 @@ def _scaffold(
     lr: float,
     momentum: float,
     device: torch.device,
+    server_round: int,
 ) -> LocalObjective:
     server = {key: torch.from_numpy(array.numpy().copy()).to(device) for key, array in control.items()}
     mine = _load_vectors(state, SCAFFOLD_STATE, server, "SCAFFOLD's control variate c_i", device)
@@ -310,8 +343,9 @@ def _scaffold(
 
     def finish(model: nn.Module) -> dict[str, ArrayRecord]:
         trained = _numpy(model.state_dict())
-        updated, delta = scaffold_control_update(_numpy(mine), _numpy(server), sent, trained, steps, lr, momentum)
-        state[SCAFFOLD_STATE] = _record(updated)
+        _, delta = scaffold_control_update(_numpy(mine), _numpy(server), sent, trained, steps, lr, momentum)
+        state[SCAFFOLD_PENDING] = _record(delta)
+        state[SCAFFOLD_PENDING_ROUND] = ConfigRecord({"round": server_round})
         model_delta = {key: trained[key] - sent[key] for key in sent}
         return {"arrays": _record(model_delta), CONTROL_KEY: _record(delta)}
 

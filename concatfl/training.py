@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .config import OPTIMIZERS
 from .data.transforms import normalize
 
 Regularizer = Callable[[nn.Module], torch.Tensor]
@@ -68,15 +69,26 @@ def train(
     augmentation: Augmentation | None = None,
     regularizer: Regularizer | None = None,
     loss_fn: LossFn | None = None,
+    optimizer: str = "sgd",
 ) -> float:
-    """Mini-batch SGD for `epochs` epochs over (x, y); returns the mean training loss.
+    """Mini-batch training for `epochs` epochs over (x, y); returns the mean training loss.
+
+    `optimizer`: "sgd" (with `momentum`) or "adam" (PyTorch's defaults but `lr`; momentum
+    unused), each with `weight_decay`; a fresh optimizer per call, as a ClientApp makes one per
+    message.
 
     `loss_fn(model, inputs, targets)` replaces the cross-entropy batch loss (the local
     objectives of `concatfl.objectives`: MOON, FedRS, FedLC) and `regularizer(model)` is added
     to every batch loss (FedProx's proximal term, FedDyn's and SCAFFOLD's linear terms, …).
     """
     model.to(device).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    step = (
+        torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+        if optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    )
     criterion = nn.CrossEntropyLoss()
     total, batches = 0.0, 0
     for _ in range(epochs):
@@ -87,12 +99,12 @@ def train(
             if augmentation is not None:
                 inputs = augmentation(inputs, generator)
             inputs, targets = normalization(inputs).to(device), y[idx].to(device)
-            optimizer.zero_grad()
+            step.zero_grad()
             loss = criterion(model(inputs), targets) if loss_fn is None else loss_fn(model, inputs, targets)
             if regularizer is not None:
                 loss = loss + regularizer(model)
             loss.backward()
-            optimizer.step()
+            step.step()
             total += float(loss.detach())
             batches += 1
     return total / max(batches, 1)

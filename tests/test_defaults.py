@@ -30,7 +30,7 @@ CLASS_DEFAULTS = {
     "fedcat": lambda: FedCat(),
     "fedseq": lambda: FedSeq(ENV.make_model, ENV.num_classes, exemplar_pool=POOL),
     "fedseq-inter": lambda: FedSeqInter(ENV.make_model, ENV.num_classes, exemplar_pool=POOL),
-    "fedconcat": lambda: FedConcat(),
+    "fedconcat": lambda: FedConcat(make_model=ENV.make_model, input_shape=(1, 8, 8)),
     "fedconcat-id": lambda: FedConcat(label_inference=True, make_model=ENV.make_model, input_shape=(1, 8, 8)),
 }
 

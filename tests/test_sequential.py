@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import logging
 
 import numpy as np
@@ -9,7 +11,15 @@ import pytest
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from concatfl.core.bounds import REFERENCE_WINDOW
-from concatfl.core.sequential import STALL_AGGREGATIONS, adapt_step, diverged, divergence
+from concatfl.core.sequential import (
+    STALL_AGGREGATIONS,
+    adapt_step,
+    chance_level,
+    diverged,
+    divergence,
+    even_share,
+    running_mean_share,
+)
 from concatfl.strategies.common import Reply, Request, to_numpy, to_record, train_content
 from concatfl.strategies.guard import ReplyGuard
 from concatfl.strategies.sequential import ChainGuard
@@ -48,11 +58,14 @@ def test_copies_that_moved_alike_do_not_diverge():
 
 def test_diverged_names_a_stalled_average_and_an_average_worse_than_its_parts():
     assert diverged(5, 0.1, None, []) is None  # nothing evaluated: no verdict
-    # Stalled: under 1.5x the start model's 0.1 from the third aggregation on, not before.
+    # Stalled: under 1.5x chance from the fifth aggregation on, not before.
     assert diverged(STALL_AGGREGATIONS - 1, 0.1, 0.12, [0.12]) is None
-    assert "after 3 aggregations" in diverged(STALL_AGGREGATIONS, 0.1, 0.12, [0.12])
+    assert "after 5 aggregations" in diverged(STALL_AGGREGATIONS, 0.1, 0.12, [0.12])
     assert diverged(STALL_AGGREGATIONS, 0.1, 0.16, [0.16]) is None
-    assert diverged(STALL_AGGREGATIONS, None, 0.12, [0.12]) is None  # start model not evaluated
+    # The run's last aggregation, however early it comes (FedCat with K = N over 2K rounds): under 2x.
+    assert diverged(1, 0.1, 0.19, [0.19]) is None and "after 1 aggregation the" in diverged(1, 0.1, 0.19, [0.19], last=True)
+    assert diverged(2, 0.1, 0.21, [0.21], last=True) is None
+    assert diverged(STALL_AGGREGATIONS, None, 0.12, [0.12]) is None  # no chance level: a trained start, or none evaluated
     # The average is more than 0.15 below the mean of its parts, at any aggregation.
     assert "0.100" in diverged(1, 0.1, 0.1, [0.4, 0.5])
     assert diverged(1, 0.1, 0.4, [0.45, 0.5]) is None
@@ -155,18 +168,31 @@ def test_guard_check_records_divergence_and_warns_once(caplog):
     assert "FedCat" in warnings[0] and "fedcat-hop-clip" in warnings[0] and "0.100" in warnings[0]
 
 
-def test_guard_warns_when_the_average_stalls_near_the_start_model(caplog):
+def test_guard_warns_when_the_average_stalls_near_chance(caplog):
     guard = chain_guard(1.0, 1.5, name="FedSeq")
     start, chain = record([0.0]), record([1.0])
 
-    def evaluate(arrays: ArrayRecord) -> MetricRecord:  # the start model 0.1, the chain's 0.12
-        return MetricRecord({"accuracy": 0.1 if float(to_numpy(arrays)["w"][0]) == 0.0 else 0.12})
+    def evaluate(arrays: ArrayRecord) -> MetricRecord:
+        # The start model: accuracy 0.08 but loss ln 10, so chance is 0.1; the chain's 0.14.
+        if float(to_numpy(arrays)["w"][0]) == 0.0:
+            return MetricRecord({"accuracy": 0.08, "loss": math.log(10.0)})
+        return MetricRecord({"accuracy": 0.14, "loss": 2.0})
 
     with caplog.at_level(logging.WARNING):
-        verdicts = [guard.check(start, [chain], [1.0], chain, evaluate)["diverged"] for _ in range(4)]
-    assert verdicts == [False, False, True, True]
+        verdicts = [guard.check(start, [chain], [1.0], chain, evaluate)["diverged"] for _ in range(6)]
+    assert verdicts == [False, False, False, False, True, True]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "after 3 aggregations" in warnings[0] and "fedseq-hop-step" in warnings[0]
+    assert len(warnings) == 1 and "after 5 aggregations" in warnings[0] and "fedseq-hop-step" in warnings[0]
+    # A run that ends with a single aggregation is judged at it.
+    short = chain_guard(1.0, 1.5, name="FedCat")
+    assert short.check(start, [chain], [1.0], chain, evaluate, last=True)["diverged"] is True
+
+
+def test_chance_is_the_start_models_accuracy_or_its_loss_level_and_none_for_a_trained_start():
+    assert chance_level(0.08, math.log(10.0)) == pytest.approx(0.1)
+    assert chance_level(0.12, math.log(10.0)) == 0.12
+    assert chance_level(0.08) == 0.08 and chance_level(0.08, float("nan")) == 0.08
+    assert chance_level(0.9, 0.3) is None
 
 
 def test_guard_state_round_trip_bounds_the_next_hop_identically():
@@ -231,3 +257,16 @@ def test_the_auto_step_is_the_share_hops_are_given_and_survives_a_restart():
     restored = ChainGuard("FedSeq", ReplyGuard("FedSeq", 0.0, 0.0), "auto", 0.0, ("a", "b"))
     restored.load_state_dict(guard.state_dict())
     np.testing.assert_allclose(to_numpy(fold(restored, start, record([1.0]), True))["w"], [0.3])
+
+
+def test_the_running_mean_and_even_shares():
+    # Running mean: hop j of equal clients takes 1/j, so the chain ends at the mean of its models.
+    assert [running_mean_share(10, held) for held in (0, 10, 20, 30)] == [1.0, 0.5, 1 / 3, 0.25]
+    assert running_mean_share(30, 10) == 0.75  # by examples, not by hops
+    # Even: each hop weighs its client's share of the chain's data (FedAvg's weights), at most 1.
+    assert even_share(10, 50) == 0.2 and even_share(30, 60) == 0.5 and even_share(80, 50) == 1.0
+    model = lambda values: {"w": np.asarray(values, dtype=np.float64)}  # noqa: E731
+    chain = model([0.0])
+    for share, trained in ((even_share(10, 20), [4.0]), (even_share(10, 20), [6.0])):
+        chain = {"w": chain["w"] + share * (model(trained)["w"] - chain["w"])}
+    assert chain["w"].tolist() == [4.0]  # 0 → 2 (half the way to 4), then 2 → 4 (half the way to 6)

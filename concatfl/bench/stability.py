@@ -6,7 +6,9 @@ FedSeq (the paper's algorithm; the fixed damped step η = 0.5 with the hop bound
 step `hop_step='auto'`, which reads no server data) at equal rounds on digits, over a grid of the
 quantities that decide whether a chain of label-skewed clients keeps what it learned:
 
-* the local step: lr and momentum (an effective step lr/(1 − momentum)) and local epochs;
+* the local step: lr and momentum (an effective step lr/(1 − momentum)) and local epochs, and
+  the optimizer users ordinarily run (SGD lr 0.1 momentum 0.9 for 1 and 5 epochs, Adam at
+  lr 1e-3 and 1e-2);
 * the label skew: two classes per client (#C=2) or Dirichlet α = 0.1;
 * the chain length and federation size: K = 4 devices per round for FedCat of 10 clients, K = 8
   of 20, K = 6 of 30; FedSeq's superclients of about 5 or 8 clients;
@@ -57,6 +59,7 @@ BASE = {
 }
 # (lr, momentum): effective steps lr/(1 − momentum) of 0.05, 0.1, 0.5 and 1.0.
 STEPS = ((0.05, 0.0), (0.01, 0.9), (0.05, 0.9), (0.1, 0.9))
+ADAM_LRS = (0.001, 0.01)
 
 
 def _setting(name: str, label: str, clients: int, k: int, chain_clients: int, **overrides: Any) -> tuple:
@@ -82,7 +85,12 @@ SETTINGS = [
     *(
         _setting(f"c2-lr{lr:g}-m{m:g}-e{e}", f"#C=2, {_label(lr, m, e)}", CLIENTS, DEVICES_PER_ROUND, 5,
                  lr=lr, momentum=m, **{"local-epochs": e})
-        for lr, m, e in (*((lr, m, 1) for lr, m in STEPS), (0.01, 0.9, 5), (0.05, 0.9, 5))
+        for lr, m, e in (*((lr, m, 1) for lr, m in STEPS), (0.01, 0.9, 5), (0.05, 0.9, 5), (0.1, 0.9, 5))
+    ),
+    *(
+        _setting(f"c2-adam{lr:g}-e1", f"#C=2, Adam lr {lr:g}, 1 ep", CLIENTS, DEVICES_PER_ROUND, 5,
+                 lr=lr, optimizer="adam", **{"local-epochs": 1})
+        for lr in ADAM_LRS
     ),
     _setting("dir0.1-lr0.05-m0.9-e1", f"Dir(0.1), {_label(0.05, 0.9, 1)}", CLIENTS, DEVICES_PER_ROUND, 5,
              partition="dirichlet", alpha=0.1, lr=0.05, momentum=0.9, **{"local-epochs": 1}),
@@ -94,49 +102,72 @@ SETTINGS = [
 QUICKSTART_APP = PROJECT_DIR / "tests" / "apps" / "quickstart"
 QUICKSTART_LRS = (0.01, 0.05, 0.1)
 QUICKSTART = {"num-server-rounds": 30, "momentum": 0.9, "batch-size": 16, "local-epochs": 1}
+# The user-style app's optimizer cells beyond SGD at one epoch: (label, name, run-config keys).
+QUICKSTART_OPTIMIZERS = (
+    ("quickstart-lr0.1-e5", "lr 0.1, mom 0.9 (step 1), 5 ep", {"lr": 0.1, "local-epochs": 5}),
+    *((f"quickstart-adam{lr:g}", f"Adam lr {lr:g}, 1 ep", {"lr": lr, "optimizer": "adam"}) for lr in ADAM_LRS),
+)
 QUICKSTART_K = 2  # FedCat's default on 10 nodes: 10 % of them, at least 2
 
 BOUNDED = {"fedcat-hop-clip": 1.5, "fedseq-hop-clip": 1.5}
-FIXED = {**BOUNDED, "fedcat-hop-step": "0.5", "fedseq-hop-step": "0.5"}
-ADAPTIVE = {**BOUNDED, "fedcat-hop-step": "auto", "fedseq-hop-step": "auto"}
-FEDCAT_FIXED = "FedCat (fixed: hop-step 0.5, hop-clip 1.5)"
-FEDSEQ_FIXED = "FedSeq (fixed: hop-step 0.5, hop-clip 1.5)"
-FEDCAT_AUTO = "FedCat (adaptive: hop-step auto, hop-clip 1.5)"
-FEDSEQ_AUTO = "FedSeq (adaptive: hop-step auto, hop-clip 1.5)"
+# The hop rules the map compares (concatfl.strategies.sequential): the fixed damped step, the
+# even share (each hop weighs what its client's data weighs in the chain) and the running mean.
+RULES = {
+    "fixed": ("hop-step 0.5", "0.5"),
+    "fixed 0.25": ("hop-step 0.25", "0.25"),
+    "even": ("hop-step even", "even"),
+    "mean": ("hop-step mean", "mean"),
+}
 FEDAVG_ALL = "FedAvg (every node)"
+
+
+def rule_label(strategy: str, rule: str) -> str:
+    """A method's row label: the strategy and its hop rule, with the bound on later hops."""
+    return f"{strategy} ({rule}: {RULES[rule][0]}, hop-clip 1.5)"
+
+
+FEDCAT_FIXED = rule_label("FedCat", "fixed")
+FEDSEQ_FIXED = rule_label("FedSeq", "fixed")
 METHODS: dict[str, dict[str, Any]] = {
     "FedAvg": {"strategy": "fedavg"},
     FEDAVG_ALL: {"strategy": "fedavg", "fraction-train": 1.0},
     "FedCat (paper-exact)": {"strategy": "fedcat", **PAPER_EXACT},
-    FEDCAT_FIXED: {"strategy": "fedcat", **FIXED},
-    FEDCAT_AUTO: {"strategy": "fedcat", **ADAPTIVE},
+    **{rule_label("FedCat", rule): {"strategy": "fedcat", **BOUNDED, "fedcat-hop-step": RULES[rule][1]}
+       for rule in ("fixed", "even", "mean")},
     "FedSeq (paper-exact)": {"strategy": "fedseq", **PAPER_EXACT},
-    FEDSEQ_FIXED: {"strategy": "fedseq", **FIXED},
-    FEDSEQ_AUTO: {"strategy": "fedseq", **ADAPTIVE},
+    **{rule_label("FedSeq", rule): {"strategy": "fedseq", **BOUNDED, "fedseq-hop-step": step}
+       for rule, (_, step) in RULES.items()},
+    **{rule_label("FedSeqInter", rule): {"strategy": "fedseq-inter", **BOUNDED, "fedseq-hop-step": RULES[rule][1]}
+       for rule in ("fixed", "even")},
 }
 
 
 def _quickstart_cells() -> list[Cell]:
     """The user-style app's columns: its own keys for the same rows."""
+    paper = {"hop-step": "1", "hop-clip": 0.0, "update-clip": 0.0, "weight-clip": 0.0}
     rows = {
         "FedAvg": {"variant": "fedavg", "fraction-train": QUICKSTART_K / CLIENTS},
         FEDAVG_ALL: {"variant": "fedavg", "fraction-train": 1.0},
-        "FedCat (paper-exact)": {"variant": "fedcat", "hop-step": "1", "hop-clip": 0.0, "update-clip": 0.0,
-                                 "weight-clip": 0.0},
-        FEDCAT_FIXED: {"variant": "fedcat", "hop-step": "0.5"},
-        FEDCAT_AUTO: {"variant": "fedcat", "hop-step": "auto"},
-        "FedSeq (paper-exact)": {"variant": "fedseq", "hop-step": "1", "hop-clip": 0.0, "update-clip": 0.0,
-                                 "weight-clip": 0.0},
-        FEDSEQ_FIXED: {"variant": "fedseq", "hop-step": "0.5"},
-        FEDSEQ_AUTO: {"variant": "fedseq", "hop-step": "auto"},
+        "FedCat (paper-exact)": {"variant": "fedcat", **paper},
+        **{rule_label("FedCat", rule): {"variant": "fedcat", "hop-step": RULES[rule][1]} for rule in ("fixed", "even", "mean")},
+        "FedSeq (paper-exact)": {"variant": "fedseq", **paper},
+        **{rule_label("FedSeq", rule): {"variant": "fedseq", "hop-step": step} for rule, (_, step) in RULES.items()},
+        **{rule_label("FedSeqInter", rule): {"variant": "fedseq-inter", "hop-step": RULES[rule][1]}
+           for rule in ("fixed", "even")},
     }
-    cells = []
-    for lr in QUICKSTART_LRS:
-        setting = Setting(f"quickstart-lr{lr:g}", f"quickstart app, #C=2, lr {lr:g}, mom 0.9 (step {lr / 0.1:g}), "
-                          f"1 ep, K={QUICKSTART_K}")
-        cells += [Cell(setting, method, CLIENTS, {**QUICKSTART, "lr": lr, **row}, QUICKSTART_APP)
-                  for method, row in rows.items()]
-    return cells
+    settings = [
+        (Setting(f"quickstart-lr{lr:g}", f"quickstart app, #C=2, lr {lr:g}, mom 0.9 (step {lr / 0.1:g}), 1 ep, "
+                 f"K={QUICKSTART_K}"), {"lr": lr})
+        for lr in QUICKSTART_LRS
+    ] + [
+        (Setting(name, f"quickstart app, #C=2, {label}, K={QUICKSTART_K}"), keys)
+        for name, label, keys in QUICKSTART_OPTIMIZERS
+    ]
+    return [
+        Cell(setting, method, CLIENTS, {**QUICKSTART, **keys, **row}, QUICKSTART_APP)
+        for setting, keys in settings
+        for method, row in rows.items()
+    ]
 
 
 def _divergence_mean(key: str) -> Callable[[Metrics], float | None]:
@@ -182,9 +213,10 @@ def suite() -> Suite:
         "classes) with its strategies' defaults but the hop settings: FedCat K = 2, FedSeq every superclient each "
         "round (superclients of ≥ 800 samples), FedAvg with 2 clients a round or every client",
         "paper-exact = hop-step 1, hop-clip 0, update-clip 0 (every reply taken as it is); the other rows "
-        "bound later hops at 1.5 first hops and every reply at update-clip 4; the adaptive step reads only "
-        "hop lengths (no server data, nothing from the client), so its rows are the same with or without a "
-        "server evaluation",
+        "bound later hops at 1.5 first hops and every reply at update-clip 4; fixed = the damped step 0.5, "
+        "even = each hop's share is its client's share of the chain's data, mean = the running mean of the "
+        "chain's models (concatfl.strategies.sequential); the rules read no server data, so their rows are "
+        "the same with or without a server evaluation",
         IN_PROCESS_NOTE,
     )
     return Suite(
@@ -212,7 +244,7 @@ def mnist_suite() -> Suite:
         "min-available-nodes": 20,
         "device": "cpu",
     }
-    methods = ("FedAvg", "FedCat (paper-exact)", FEDCAT_FIXED, FEDCAT_AUTO)
+    methods = ("FedAvg", "FedCat (paper-exact)", FEDCAT_FIXED, rule_label("FedCat", "even"))
     cells = tuple(Cell(setting, method, 20, {**config, **METHODS[method]}) for method in methods)
     notes = (
         "the FedCat paper's data per client (600 MNIST images: a stratified 12,000-image subsample; 1,000 test "

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from logging import WARNING
 from typing import Any
 
@@ -96,7 +96,7 @@ class ReplyGuard:
         replies: Sequence[Reply],
         *,
         stream: str = "model",
-        step: float = 1.0,
+        step: float | Callable[[int, int], float] = 1.0,
         hop_clip: float = 0.0,
         joins: bool = True,
         key: str = ARRAYS_KEY,
@@ -109,7 +109,8 @@ class ReplyGuard:
         `stream` names the reference the replies are measured against; `joins`: their lengths
         join it (updates from a common start: FedAvg's, a chain's first hops), else they are
         only measured (a chain's later hops). `step` is the share the strategy takes of an
-        update within the bounds (a chain's damped η), `hop_clip` a further bound (a chain's
+        update within the bounds (a chain's damped η), or `step(i, n)` for the i-th reply whose
+        bounded num-examples are n (a chain's running mean); `hop_clip` a further bound (a chain's
         later hops). `key` is the ArrayRecord bounded; `from_zero`: its arrays are updates
         themselves (SCAFFOLD), else models to compare with what was sent. `weights`: bound
         num-examples too. Each returned reply carries `length`, `reference` and `share`.
@@ -123,15 +124,8 @@ class ReplyGuard:
         ref = reference([*window, *(lengths if joins else [])])
         weight_ref = reference([*self._weights, *(reply.num_examples for reply in replies)]) if weights else None
         bounded = []
-        for reply, origin, values, length in zip(replies, origins, returned, lengths):
-            share = bound_share(length, ref, self.update_clip, step)
-            if share < step:
-                self._note(reply, "clipped", stream=stream, factor=share / step, length=length, bound=self.update_clip * ref)
-            share = min(share, bound_share(length, ref, hop_clip, step))
+        for index, (reply, origin, values, length) in enumerate(zip(replies, origins, returned, lengths)):
             content = reply.content
-            if share < 1.0:
-                moved = scale(values, share) if origin is None else move(origin, values, share)
-                content = _replace(content, key, to_record(moved))
             num_examples = reply.num_examples
             if weights:
                 num_examples = max(1, int(bounded_weight(reply.num_examples, weight_ref, self.weight_clip)))
@@ -141,6 +135,14 @@ class ReplyGuard:
                         reported=reply.num_examples, weight=num_examples,
                     )
                     content = _with_num_examples(content, num_examples)
+            wanted = step(index, num_examples) if callable(step) else float(step)
+            share = bound_share(length, ref, self.update_clip, wanted)
+            if share < wanted:
+                self._note(reply, "clipped", stream=stream, factor=share / wanted, length=length, bound=self.update_clip * ref)
+            share = min(share, bound_share(length, ref, hop_clip, wanted))
+            if share < 1.0:
+                moved = scale(values, share) if origin is None else move(origin, values, share)
+                content = _replace(content, key, to_record(moved))
             bounded.append(
                 dataclasses.replace(
                     reply, content=content, num_examples=num_examples, length=length, reference=ref, share=share

@@ -39,6 +39,7 @@ def train(msg: Message, context: Context) -> Message:
         seed,
         momentum=float(context.run_config["momentum"]),
         batch_size=int(context.run_config["batch-size"]),
+        optimizer_name=str(context.run_config["optimizer"]),
     )
     metrics = MetricRecord({"train_loss": loss, "num-examples": len(y)})
     return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg)

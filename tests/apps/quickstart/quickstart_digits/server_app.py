@@ -11,8 +11,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
 
+from concatfl.config import parse_hop_step
 from concatfl.metrics import summarize, write_metrics
-from concatfl.strategies import FedAvg, FedCat, FedConcat, FedSeq
+from concatfl.strategies import FedAvg, FedCat, FedConcat, FedSeq, FedSeqInter
 from concatfl.strategies.aggregation import Aggregation
 from concatfl.strategies.base import RelayStrategy
 
@@ -72,14 +73,15 @@ def build(config, x_test: torch.Tensor, y_test: torch.Tensor) -> RelayStrategy:
     step = str(config["hop-step"])
     hops: dict = {"hop_clip": float(config["hop-clip"])}
     if step:
-        hops["hop_step"] = step if step == "auto" else float(step)
+        hops["hop_step"] = parse_hop_step(step)
     fraction = float(config["fraction-train"])
     if variant == "fedavg":
         return FedAvg(fraction_train=fraction, aggregation=aggregation, **guard)
     if variant == "fedcat":
         return FedCat(k=int(config["fedcat-k"]), **hops, **guard)
-    if variant == "fedseq":
-        return FedSeq(Net, NUM_CLASSES, exemplar_pool=(x_test, y_test), fraction_train=fraction, **hops, **guard)
+    if variant in ("fedseq", "fedseq-inter"):
+        cls = FedSeqInter if variant == "fedseq-inter" else FedSeq
+        return cls(Net, NUM_CLASSES, exemplar_pool=(x_test, y_test), fraction_train=fraction, **hops, **guard)
     return FedConcat(
         label_inference=variant == "fedconcat-id",
         head="fc3",

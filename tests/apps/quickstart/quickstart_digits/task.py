@@ -77,10 +77,14 @@ def train(
     seed: int,
     momentum: float = 0.0,
     batch_size: int = 32,
+    optimizer_name: str = "sgd",
 ) -> float:
-    """Mini-batch SGD; returns the mean loss of the last epoch."""
+    """Mini-batch SGD (or Adam); returns the mean loss of the last epoch."""
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+    if optimizer_name == "adam":
+        optimizer = torch.optim.Adam(net.parameters(), lr=lr)
+    else:
+        optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
     net.train()
     losses = []
     for _ in range(epochs):
