@@ -24,7 +24,10 @@ import torch
 
 CHECKPOINT_FILE = "checkpoint"
 # Keys a resumed run may change: how long it runs and how it waits, not what it computes.
-RESUMABLE_CHANGES = frozenset({"num-server-rounds", "resume", "round-timeout", "min-available-nodes", "device"})
+RESUMABLE_CHANGES = frozenset(
+    {"num-server-rounds", "resume", "round-timeout", "min-available-nodes", "expected-nodes", "start-settle",
+     "start-wait", "device"}
+)
 
 
 @dataclass

@@ -22,6 +22,7 @@ DATASETS = ("digits", "mnist", "fmnist", "cifar10", "cifar100", "svhn", "femnist
 PARTITIONS = ("iid", "dirichlet", "classes", "natural")
 MODELS = ("auto", "mlp", "mcmahan-cnn", "simple-cnn", "lenet5", "vgg9", "resnet18")
 DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("sgd", "adam")  # the clients' local optimizer (concatfl.training.train)
 FEDSEQ_DISTRIBUTION_METRICS = ("kl", "wasserstein", "gini")
 AGGREGATIONS = ("mean", "median", "trimmed-mean", "krum", "multi-krum")
 SEQUENTIAL_STRATEGIES = ("fedcat", "fedseq", "fedseq-inter")
@@ -55,10 +56,14 @@ class RunConfig:
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
     min_available_nodes: int = 2
+    expected_nodes: int = 0
+    start_settle: float = 3.0
+    start_wait: float = 120.0
     round_timeout: float = DEFAULT_ROUND_TIMEOUT
     local_epochs: int = 1
     batch_size: int = 32
     lr: float = 0.1
+    optimizer: str = "sgd"
     momentum: float = 0.0
     weight_decay: float = 0.0
     proximal_mu: float = 0.0
@@ -101,11 +106,12 @@ class RunConfig:
     fedseq_min_samples: int = 800
     fedseq_max_clients: int = 11
     fedseq_superclient_epochs: int = 1
-    fedseq_hop_step: str = "0.5"
+    fedseq_hop_step: str = "0.25"
     fedseq_hop_clip: float = 1.5
     fedconcat_clusters: str = "5"
     fedconcat_balanced: bool = False
     fedconcat_dp_epsilon: float = 0.0
+    fedconcat_label_check: bool = True
     fedconcat_id_samples: int = 10000
     fedconcat_encoder_rounds: int = 10
     fedconcat_classifier_rounds: int = 20
@@ -155,6 +161,7 @@ class RunConfig:
         _choice("partition", self.partition, PARTITIONS)
         _choice("model", self.model, MODELS)
         _choice("device", self.device, DEVICES)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("fedcat-selection", self.fedcat_selection, ("grouped-count", "random"))
         _choice("fedseq-approximator", self.fedseq_approximator, ("conf", "clf"))
         _choice("fedseq-conf-normalize", self.fedseq_conf_normalize, ("sum", "softmax"))
@@ -172,6 +179,14 @@ class RunConfig:
         _open_interval("fraction-train", self.fraction_train, 0.0, 1.0, closed_high=True)
         _open_interval("fraction-evaluate", self.fraction_evaluate, 0.0, 1.0, closed_low=True, closed_high=True)
         _at_least("min-available-nodes", self.min_available_nodes, 1)
+        _at_least("expected-nodes", self.expected_nodes, 0)
+        if 0 < self.expected_nodes < self.min_available_nodes:
+            raise ConfigError(
+                f"expected-nodes={self.expected_nodes} is below min-available-nodes={self.min_available_nodes}: "
+                "the run starts with at least min-available-nodes; set expected-nodes to 0 or to at least that"
+            )
+        _at_least("start-settle", self.start_settle, 0.0)
+        _at_least("start-wait", self.start_wait, 0.0)
         _at_least("round-timeout", self.round_timeout, 0.0)
         _at_least("local-epochs", self.local_epochs, 1)
         _at_least("batch-size", self.batch_size, 1)
@@ -255,6 +270,11 @@ class RunConfig:
         """Reject `local-objective` / `strategy` / `proximal-mu` combinations that make no sense."""
         objective = self.local_objective
         _choice("local-objective", objective, LOCAL_OBJECTIVES)
+        if self.strategy == "scaffold" and self.optimizer != "sgd":
+            raise ConfigError(
+                "strategy='scaffold' computes the clients' control variates from plain SGD steps (option II); "
+                f"optimizer={self.optimizer!r} takes other steps: use optimizer='sgd'"
+            )
         if self.strategy == "scaffold" and (objective != "sgd" or self.proximal_mu > 0):
             raise ConfigError(
                 "strategy='scaffold' corrects the local gradients with its control variates and needs "
@@ -311,18 +331,23 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
     raise ConfigError(f"run-config key '{key}' must be a {kind}, got {value!r}")
 
 
+HOP_RULES = ("even", "mean", "auto")  # the hop steps given by name (concatfl.strategies.sequential)
+
+
 def parse_hop_step(value: str) -> float | str:
-    """A validated `…-hop-step` value as a strategy takes it: 'auto' or a number."""
-    return value if value == "auto" else float(value)
+    """A validated `…-hop-step` value as a strategy takes it: 'even', 'mean', 'auto' or a number."""
+    return value if value in HOP_RULES else float(value)
 
 
 def _hop_step(key: str, value: str) -> None:
-    if value == "auto":
+    if value in HOP_RULES:
         return
     try:
         number = float(value)
     except ValueError:
-        raise ConfigError(f"run-config key '{key}' must be 'auto' or a number in (0, 1], got {value!r}") from None
+        raise ConfigError(
+            f"run-config key '{key}' must be 'even', 'mean', 'auto' or a number in (0, 1], got {value!r}"
+        ) from None
     _open_interval(key, number, 0.0, 1.0, closed_high=True)
 
 

@@ -4,6 +4,7 @@
   "initial": {"accuracy", "loss"}, "rounds": [{"round", "bytes_sent", "bytes_received", "seconds",
   "hops": [...], "aggregated", "accuracy"?, "loss"?, ...strategy-specific}],
   "final_accuracy", "final_loss", "total_bytes_sent", "total_bytes_received", "wall_seconds",
+  "membership"?: {"placed", "never_trained"},
   "node_identity"?: {"identified", "late", "flower_ids", "unanswered"} }
 """
 
@@ -27,10 +28,12 @@ def summarize(
     rounds: list[dict[str, Any]],
     wall_seconds: float,
     node_identity: dict[str, Any] | None = None,
+    membership: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble the metrics document; the final accuracy is the last evaluated round's.
 
-    `node_identity` is `StableNodeGrid.identity_report()` (left out when None)."""
+    `node_identity` is `StableNodeGrid.identity_report()`, `membership` the strategy's
+    `Membership.report()` (each left out when None)."""
     evaluated = [record for record in rounds if "accuracy" in record] or [initial]
     document = {
         "run_config": run_config,
@@ -48,6 +51,8 @@ def summarize(
     }
     if node_identity is not None:
         document["node_identity"] = node_identity
+    if membership is not None:
+        document["membership"] = membership
     return document
 
 

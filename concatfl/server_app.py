@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from logging import INFO
 
 import torch
@@ -22,14 +23,46 @@ from .strategies.common import fingerprint
 
 app = ServerApp()
 
-TRAIN_KEYS = ("lr", "local-epochs", "batch-size", "momentum", "weight-decay", "proximal-mu")
+TRAIN_KEYS = ("lr", "local-epochs", "batch-size", "optimizer", "momentum", "weight-decay", "proximal-mu")
 
 
-def wait_for_nodes(grid: Grid, minimum: int, poll_seconds: float = 1.0) -> int:
-    """Block until `minimum` nodes are connected; returns how many are."""
-    while len(nodes := list(grid.get_node_ids())) < minimum:
+# pylint: disable=too-many-arguments
+def wait_for_start(
+    grid: Grid,
+    minimum: int,
+    expected: int = 0,
+    settle: float = 0.0,
+    wait: float = 0.0,
+    poll_seconds: float = 0.5,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """The start policy; returns how many nodes the run starts with.
+
+    Waits, without limit, until `minimum` nodes are connected; then at most `wait` seconds more:
+    until `expected` nodes are connected when `expected` > 0, else until the set of connected
+    nodes has not changed for `settle` seconds. So a deployment whose nodes connect over a few
+    seconds (a compose stack coming up, SuperNodes started one after another) does not build
+    its groups on whichever nodes came first; nodes that connect later still train (every
+    strategy places them, `RelayStrategy.place`).
+    """
+    while len(nodes := set(grid.get_node_ids())) < minimum:
         log(INFO, "Waiting for nodes: %d connected, %d required", len(nodes), minimum)
-        time.sleep(poll_seconds)
+        sleep(1.0)
+    started = changed = clock()
+    why = f"start-wait ({wait:g} s) reached"
+    while clock() - started < wait:
+        if expected > 0 and len(nodes) >= expected:
+            why = f"{expected} expected nodes connected"
+            break
+        if expected == 0 and clock() - changed >= settle:
+            why = f"no node connected or left for {settle:g} s"
+            break
+        sleep(poll_seconds)
+        if (now := set(grid.get_node_ids())) != nodes:
+            nodes, changed = now, clock()
+    log(INFO, "Starting with %d connected nodes (%s)%s", len(nodes), why,
+        f"; expected {expected}" if expected > len(nodes) else "")
     return len(nodes)
 
 
@@ -50,7 +83,9 @@ def main(grid: Grid, context: Context) -> None:
     env = ServerEnv.from_config(config)
     strategy = build_strategy(config, env)
     grid = StableNodeGrid(grid, identify_timeout=config.timeout)
-    num_nodes = wait_for_nodes(grid, config.min_available_nodes)
+    num_nodes = wait_for_start(
+        grid, config.min_available_nodes, config.expected_nodes, config.start_settle, config.start_wait
+    )
 
     initial_arrays = ArrayRecord(env.make_model().state_dict())
     log(
@@ -110,6 +145,7 @@ def main(grid: Grid, context: Context) -> None:
         strategy.history,
         earlier_seconds + time.perf_counter() - started,
         grid.identity_report(),
+        strategy.membership.report(),
     )
     document["run_id"] = int(context.run_id)
     if resumed is not None:  # what this run continued from, to compare with the checkpoint it found

@@ -9,7 +9,8 @@ from concatfl.bench.inprocess import simulate_in_process
 from concatfl.deployment.processes import leftover_processes  # noqa: F401  (the tests import it from here)
 from concatfl.launch import run_simulation as launch_simulation
 
-FAST = {"num-server-rounds": 3, "local-epochs": 1, "batch-size": 32, "round-timeout": 300.0}
+# Every node of a simulation is there from the start: no settle wait.
+FAST = {"num-server-rounds": 3, "local-epochs": 1, "batch-size": 32, "round-timeout": 300.0, "start-settle": 0.0}
 
 
 def run_simulation(tmp_path: Path, run_config: dict[str, Any], num_supernodes: int) -> dict[str, Any]:

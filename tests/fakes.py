@@ -25,16 +25,30 @@ BIG_IDS = [2**62 + 7919] + [2**63 + 7919 * i for i in range(1, 64)]
 
 class FakeGrid(InProcessGrid):
     """In-process Grid: `handlers[node_id]` answers each message sent to that node; every message
-    sent is kept in `sent`, and each batch in `hops`."""
+    sent is kept in `sent`, and each batch in `hops`. `arrivals[node] = (after_round, handler)`:
+    a node that connects once the strategy has sent a message of round `after_round` (so it is
+    first listed when round `after_round` + 1 starts)."""
 
-    def __init__(self, handlers: dict[int, Handler]) -> None:
+    def __init__(self, handlers: dict[int, Handler], arrivals: dict[int, tuple[int, Handler]] | None = None) -> None:
         super().__init__(handlers)
         self.sent: list[Message] = []
         self.hops: list[list[Message]] = []
+        self.arrivals = dict(arrivals or {})
+        self.latest_round = 0
+
+    def get_node_ids(self):
+        for node, (after_round, handler) in list(self.arrivals.items()):
+            if self.latest_round >= after_round:
+                self.handlers[node] = handler
+                del self.arrivals[node]
+        return super().get_node_ids()
 
     def _answer(self, batch: list[Message]) -> list[Message | Later]:
         self.sent.extend(batch)
         self.hops.append(batch)
+        for message in batch:
+            config = message.content.config_records.get("config", {})
+            self.latest_round = max(self.latest_round, int(config.get("server-round", 0)))
         return super()._answer(batch)
 
 

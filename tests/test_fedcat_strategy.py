@@ -68,8 +68,11 @@ def _expected_aggregate(rounds: list[dict], start: dict[str, np.ndarray], skip: 
     k = len(rounds[0]["copy_to_device"])
     copies, sizes = [dict(start) for _ in range(k)], [0] * k
     for record in rounds:
-        for i, node in enumerate(record["copy_to_device"]):
-            if node not in skip:
+        visits = list(record["copy_to_device"])
+        for replaced in record.get("replacements", []):  # a lost copy trained at its replacement instead
+            visits[replaced["copy"]] = replaced["replacement"]
+        for i, node in enumerate(visits):
+            if node is not None and node not in skip:
                 copies[i], sizes[i] = _train(node, copies[i]), sizes[i] + _examples(node)
     return {
         key: sum(d * c[key].astype(np.float64) for d, c in zip(sizes, copies)) / sum(sizes) for key in start
@@ -217,30 +220,59 @@ def _zero_examples(message: Message) -> Message:
 
 
 @pytest.mark.parametrize("fault", [_missing, _nan, _wrong_shape, _zero_examples])
-def test_a_bad_reply_leaves_its_copy_and_data_size_unchanged(fault):
+def test_a_lost_copy_goes_on_to_a_replacement_device_of_the_same_group_in_the_same_round(fault):
     bad = 3
     nodes = [1, 2, 3, 4, 5, 6]
     strategy = FedCat(k=3, seed=0)
     grid = _grid(nodes, faulty={bad: fault})
     result, evaluated = _run(strategy, grid, rounds=6)
-    assert len(strategy.history) == 6 and evaluated == [0, 3, 6]
-    bad_rounds = [r for r in strategy.history if bad in r["copy_to_device"]]
-    assert bad in strategy.history[0]["copy_to_device"], "the checks below expect a miss in round 1"
-    for record in bad_rounds:
+    assert evaluated == [0, 3, 6]
+    hops = iter(grid.hops)
+    lost_rounds = 0
+    for record in strategy.history:
+        hop = next(hops)
+        if bad not in record["copy_to_device"]:
+            assert "replacements" not in record and len(record["hops"]) == 1
+            continue
+        lost_rounds += 1
+        copy_index = record["copy_to_device"].index(bad)
+        (replaced,) = record["replacements"]
+        assert replaced["copy"] == copy_index and replaced["lost"] == bad
+        # The other member of bad's group (groups of two here), which was not selected this round.
+        groups = [r["groups"] for r in strategy.history[: record["round"]] if "groups" in r][-1]
+        (partner,) = [node for node in next(g for g in groups if bad in g) if node != bad]
+        assert replaced["replacement"] == partner and partner not in record["selected"]
+        (retry,) = next(hops)
+        assert retry.metadata.dst_node_id == partner and len(record["hops"]) == 2
+        _assert_arrays(retry.content.array_records["arrays"], _numpy(hop[copy_index].content.array_records["arrays"]))
+    assert lost_rounds >= 2
+    first, _, sizes = _expected_aggregate(strategy.history[:3], INITIAL, skip={bad})
+    assert strategy.history[2]["data_sizes"] == sizes and 0 not in sizes
+    second, _, _ = _expected_aggregate(strategy.history[3:], {k: v.astype(np.float32) for k, v in first.items()}, skip={bad})
+    _assert_arrays(result.arrays, second)
+
+
+@pytest.mark.parametrize("fault", [_missing, _nan, _wrong_shape, _zero_examples])
+def test_a_lost_copy_without_a_replacement_keeps_its_model_and_data_size(fault):
+    bad = 3
+    nodes = [1, 2, 3, 4, 5, 6]
+    strategy = FedCat(k=6, seed=0)  # every node is selected every round: no one can take over
+    grid = _grid(nodes, faulty={bad: fault})
+    result, evaluated = _run(strategy, grid, rounds=6)
+    assert len(strategy.history) == 6 and evaluated == [0, 6]
+    for record in strategy.history:
         misses = record["hops"][0]["misses"]
-        assert [m["node"] for m in misses] == [bad]
+        assert [m["node"] for m in misses] == [bad] and len(record["hops"]) == 1
         assert misses[0]["tag"] == record["copy_to_device"].index(bad)
+        assert record["replacements"] == [{"copy": misses[0]["tag"], "lost": bad, "replacement": None}]
     # Each round's message to the next node carries the copy exactly as it was before the miss.
     for offset, hop in ((1, grid.hops[1]), (2, grid.hops[2])):
         _, copies, _ = _expected_aggregate(strategy.history[:offset], INITIAL, skip={bad})
         for i, message in enumerate(hop):
             _assert_arrays(message.content.array_records["arrays"], copies[i])
-    first, _, sizes = _expected_aggregate(strategy.history[:3], INITIAL, skip={bad})
-    assert strategy.history[2]["data_sizes"] == sizes
-    second, _, _ = _expected_aggregate(
-        strategy.history[3:], {k: v.astype(np.float32) for k, v in first.items()}, skip={bad}
-    )
-    _assert_arrays(result.arrays, second)
+    first, _, sizes = _expected_aggregate(strategy.history[:6], INITIAL, skip={bad})
+    assert strategy.history[5]["data_sizes"] == sizes
+    _assert_arrays(result.arrays, first)
 
 
 def test_a_cycle_without_any_valid_reply_keeps_the_global_model():

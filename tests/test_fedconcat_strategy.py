@@ -57,12 +57,12 @@ def make_model():
     return build_model("mlp", SHAPE, NUM_CLASSES)
 
 
-def node_data(node_id: int) -> ClientData:
-    """Half of each of the node's two classes (so a group shares one distribution); class c
-    lights up pixel c, so the classes are learnable; sizes differ per node."""
+def node_data(node_id: int, classes: tuple[int, int] | None = None) -> ClientData:
+    """Half of each of the node's two classes (GROUPS', so a group shares one distribution); class
+    c lights up pixel c, so the classes are learnable; sizes differ per node."""
     generator = torch.Generator().manual_seed(node_id)
     count = 30 + 4 * node_id
-    y = torch.tensor(GROUPS[node_id])[torch.arange(count) % 2]
+    y = torch.tensor(classes or GROUPS[node_id])[torch.arange(count) % 2]
     x = 0.3 * torch.rand(count, *SHAPE, generator=generator)
     x.view(count, -1)[torch.arange(count), y] += 0.7
     return ClientData(x, y, x[:5], y[:5], NUM_CLASSES, NORMALIZATION, None)
@@ -103,6 +103,7 @@ class Federation:
     def __init__(self, first_id: int = 0) -> None:
         # Node i of GROUPS gets id first_id + i (real node ids are random uint64s).
         data = {first_id + index: node_data(index) for index in GROUPS}
+        self.data = data
         self.contexts = {node: self.fresh_context(node) for node in data}
         self.faults: dict[tuple[int, str], Fault] = {}
         self.feature_computations: Counter[int] = Counter()
@@ -137,12 +138,20 @@ class Federation:
 
         return handle
 
-    def grid(self) -> FakeGrid:
-        return FakeGrid({node: self.handler(node) for node in self.contexts})
+    def grid(self, arrivals: dict[int, tuple[int, tuple[int, int]]] | None = None) -> FakeGrid:
+        """The nodes as a grid; `arrivals[node] = (after_round, classes)`: a node holding those two
+        classes that connects once round `after_round` has started."""
+        for node, (_, classes) in (arrivals or {}).items():
+            self.data[node] = node_data(node, classes)
+            self.contexts[node] = self.fresh_context(node)
+        late = {node: (after, self.handler(node)) for node, (after, _) in (arrivals or {}).items()}
+        return FakeGrid({node: self.handler(node) for node in self.contexts if node not in late}, late)
 
 
 def strategy(**kwargs) -> FedConcat:
+    """The paper's FedConcat (no label check) unless told otherwise: these tests follow its stages."""
     settings = dict(
+        label_check=False,
         num_clusters=2,
         encoder_rounds=2,
         classifier_rounds=2,
@@ -259,6 +268,57 @@ def test_fedconcat_id_infers_distributions_from_one_round_of_training():
         own = GROUPS[int(node)]
         assert sum(distribution) == pytest.approx(1.0, abs=1e-5)
         assert distribution[own[0]] + distribution[own[1]] > 0.5
+
+
+def lie(classes: tuple[int, int]) -> Fault:
+    """A well-formed label report of two other classes, half each."""
+    distribution = [0.5 if c in classes else 0.0 for c in range(NUM_CLASSES)]
+    return lambda message, reply: reply_with(message, RecordDict({"metrics": MetricRecord({LABEL_DISTRIBUTION: distribution})}))
+
+
+def test_label_check_places_a_node_whose_report_its_own_model_contradicts_by_the_model():
+    federation = Federation()
+    federation.faults[(0, LABELS_MESSAGE_TYPE)] = lie((2, 3))  # node 0 trains on {0, 1}
+    unchecked = strategy()
+    unchecked.setup(federation.grid(), ArrayRecord(make_model().state_dict()), TRAIN_CONFIG)
+    assert groups(unchecked) == {frozenset({1, 2}), frozenset({0, 3, 4, 5})}  # the lie worked
+    checked = strategy(label_check=True, id_samples=500)
+    grid = federation.grid()
+    checked.setup(grid, ArrayRecord(make_model().state_dict()), TRAIN_CONFIG)
+    # Stage 1 asked for the reports, then trained every node once from the initial model.
+    assert [hop[0].metadata.message_type for hop in grid.hops] == [LABELS_MESSAGE_TYPE, "train"]
+    assert groups(checked) == {frozenset({0, 1, 2}), frozenset({3, 4, 5})}
+    check = checked.setup_record["label_check"]
+    assert check["disagreeing"] == [0] and check["unchecked"] == []
+    assert check["agreement"]["0"] < check["bound"] <= min(v for k, v in check["agreement"].items() if k != "0")
+    (placed,) = checked.setup_record["placements"]
+    assert placed["node"] == 0 and placed["where"]["by"] == "inferred"
+    assert placed["why"] == "its reported label distribution disagrees with its model"
+
+
+def test_a_node_that_joins_during_the_encoder_rounds_is_clustered_alone_and_trains():
+    federation = Federation()
+    grid = federation.grid(arrivals={6: (1, (2, 3)), 7: (1, (0, 1))})
+    federation.faults[(7, LABELS_MESSAGE_TYPE)] = lie((2, 3))
+    fed = strategy(label_check=True, id_samples=500, encoder_rounds=3, classifier_rounds=1)
+    run(fed, grid)
+    record = fed.history[1]
+    assert record["membership"]["joined"] == [6, 7]
+    placed = {entry["node"]: entry["where"] for entry in record["placements"]}
+    assert placed[6] == {"cluster": fed.assignment[3], "by": "reported"}
+    assert placed[7] == {"cluster": fed.assignment[0], "by": "inferred"}  # its lie was not believed
+    assert record["selected"] == {str(fed.assignment[0]): [0, 1, 2, 7], str(fed.assignment[3]): [3, 4, 5, 6]}
+
+
+def test_a_node_that_joins_during_the_classifier_rounds_trains_the_head():
+    federation = Federation()
+    grid = federation.grid(arrivals={6: (2, (2, 3))})
+    fed = strategy(encoder_rounds=2, classifier_rounds=2)
+    run(fed, grid)
+    record = fed.history[2]
+    assert record["placements"] == [{"node": 6, "where": {"head": True}, "why": "joined after the start"}]
+    assert 6 not in fed.assignment and 6 in record["selected"]
+    assert federation.feature_computations[6] == 1  # the encoders went to it once
 
 
 # ---------------------------------------------------------------------- stage 2

@@ -16,6 +16,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from concatfl.config import RunConfig
+from concatfl.core import superclients as sc
 from concatfl.runtime import ServerEnv
 from concatfl.strategies.common import message_bytes
 from concatfl.strategies.fedseq import FedSeq, FedSeqInter, build
@@ -204,7 +205,9 @@ def test_a_node_missing_at_pretraining_joins_the_smallest_superclient():
     fedseq.setup(grid, initial_arrays(), ConfigRecord())
     assert fedseq.setup_record["left_out"] == [3]
     # Its data still trains: it joins the superclient that held the fewest samples, counted as a median client.
-    (sid,) = fedseq.setup_record["placed_unapproximated"].values()
+    (placed,) = fedseq.setup_record["placements"]
+    assert placed["node"] == 3 and placed["why"] == "no usable stage-1 reply"
+    sid = placed["where"]["superclient"]
     samples = {s: sum(clients[n].num_examples for n in members if n != 3) for s, members in fedseq.superclients.items()}
     assert samples[sid] == min(samples.values()) and 3 in fedseq.superclients[sid]
     assert fedseq.client_samples[3] == 10
@@ -393,6 +396,44 @@ def test_vanished_nodes_are_dropped_and_rejoin_their_superclient_when_back():
     assert fedseq.superclients == plan
     assert {m.metadata.dst_node_id for m in grid.sent[sent_before:]} == set(clients)
     assert fedseq.history[2]["superclients"][0]["samples"] == 40
+
+
+def test_a_node_that_joins_later_pretrains_the_initial_model_and_trains_in_the_superclient_it_fits():
+    clients = clients_for(8)
+    late = Client(9, 3)
+    grid = FakeGrid(clients, arrivals={9: (1, late)})
+    fedseq = strategy()
+    run(fedseq, clients, 1, grid=grid)
+    before = {sid: estimate.copy() for sid, estimate in fedseq.estimates.items()}
+    members = {sid: len(nodes) for sid, nodes in fedseq.plan.items()}
+    samples = {sid: 10 * len(nodes) for sid, nodes in fedseq.plan.items()}
+    run(fedseq, clients, 2, grid=grid)
+    record = fedseq.history[1]
+    assert record["membership"]["joined"] == [9] and record["membership"]["connected"] == 9
+    (placed,) = record["placements"]
+    # Pre-trained exactly as stage 1 had every node do: the initial model, server-round 0, its epochs.
+    (pretrain,) = [m for m in grid.sent if m.metadata.dst_node_id == 9 and m.content["config"]["server-round"] == 0]
+    assert same(as_state(pretrain.content["arrays"]), as_state(initial_arrays()))
+    assert pretrain.content["config"]["local-epochs"] == PRETRAIN_EPOCHS
+    # It joins the superclient the placement rule picks for its approximation (its class, 3).
+    vector = np.eye(NUM_CLASSES)[3]
+    expected = sc.fitting_superclient(vector, before, samples, members, fedseq.metric, fedseq.max_clients)
+    assert placed == {"node": 9, "where": {"superclient": expected}, "why": "joined after the start"}
+    assert 9 in fedseq.plan[expected] and fedseq.client_samples[9] == 10
+    # ... and trains in the round it joined: its superclient's chain went through it.
+    (entry,) = [e for e in record["superclients"] if e["id"] == expected]
+    assert 9 in entry["order"] and late.received and late.received[-1][0] == 2
+    assert record["membership"]["trained"] == 9  # the pre-training hop is not counted as training
+
+
+def test_a_joining_node_whose_pretraining_fails_still_joins_the_smallest_superclient():
+    clients = clients_for(8)
+    grid = FakeGrid(clients, arrivals={9: (1, lambda message: None)})
+    fedseq = strategy()
+    run(fedseq, clients, 2, grid=grid)
+    (placed,) = fedseq.history[1]["placements"]
+    assert placed["node"] == 9 and 9 in fedseq.plan[placed["where"]["superclient"]]
+    assert fedseq.client_samples[9] == 10  # the median client's count
 
 
 # ---------------------------------------------------------------------- FedSeqInter

@@ -14,7 +14,15 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 
 from concatfl.client_app import app
 from concatfl.config import RunConfig
-from concatfl.objectives import SCAFFOLD_STATE, local_steps, momentum_step_sum, scaffold_control_update
+from concatfl.objectives import (
+    SCAFFOLD_STATE,
+    SCAFFOLD_TAKEN_ROUND,
+    SCAFFOLD_TAKEN_SHARE,
+    commit_scaffold_control,
+    local_steps,
+    momentum_step_sum,
+    scaffold_control_update,
+)
 from concatfl.runtime import ServerEnv, load_client_data, load_data, make_model
 from concatfl.strategies import FedAvg, Scaffold, build_strategy
 from concatfl.strategies.scaffold import scaffold_server_update
@@ -185,10 +193,11 @@ def _global() -> ArrayRecord:
     return ArrayRecord(make_model(config, load_data(config)).state_dict())
 
 
-def _scaffold_message(arrays: ArrayRecord, control: dict[str, np.ndarray], server_round: int) -> Message:
-    content = RecordDict(
-        {"arrays": arrays, "control": _record(control), "config": ConfigRecord({"server-round": server_round})}
-    )
+def _scaffold_message(
+    arrays: ArrayRecord, control: dict[str, np.ndarray], server_round: int, taken: tuple[int, float] = (0, 1.0)
+) -> Message:
+    config = {"server-round": server_round, SCAFFOLD_TAKEN_ROUND: taken[0], SCAFFOLD_TAKEN_SHARE: taken[1]}
+    content = RecordDict({"arrays": arrays, "control": _record(control), "config": ConfigRecord(config)})
     return Message(content, dst_node_id=1, message_type=MessageType.TRAIN)
 
 
@@ -204,24 +213,73 @@ def test_clientapp_keeps_c_i_in_context_state_and_replies_delta_and_delta_c():
     delta = _numpy(first.content.array_records["arrays"])
     dc = _numpy(first.content.array_records["control"])
     assert set(first.content.array_records) == {"arrays", "control"}
-    c_1 = _numpy(context.state.array_records[SCAFFOLD_STATE])
+    # Δc is pending until the server says it took the reply: c_i has not moved yet.
+    assert SCAFFOLD_STATE not in context.state.array_records
     for key in params:  # c_i⁺ = 0 − 0 + (x − y)/(Kη) = −Δy/(Kη); Δc = c_i⁺ − 0
-        np.testing.assert_allclose(c_1[key], -delta[key] / k_eta, rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(dc[key], c_1[key], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(dc[key], -delta[key] / k_eta, rtol=1e-4, atol=1e-6)
     assert any(np.abs(delta[key]).sum() > 0 for key in delta)
 
-    # Round 2 with a non-zero server c, same Context: c_i is read back and updated again.
+    # Round 2 with a non-zero server c, same Context: the server took round 1's reply, so c_i = Δc
+    # is committed first and round 2 is corrected by c − c_i and computes c_i again.
     c = {key: np.full_like(value, 0.01) for key, value in params.items()}
-    second = app(_scaffold_message(x, c, 2), context)
+    second = app(_scaffold_message(x, c, 2, taken=(1, 1.0)), context)
+    c_1 = _numpy(context.state.array_records[SCAFFOLD_STATE])
+    for key in params:
+        np.testing.assert_allclose(c_1[key], dc[key], rtol=1e-6, atol=1e-7)
     delta_2 = _numpy(second.content.array_records["arrays"])
     dc_2 = _numpy(second.content.array_records["control"])
-    c_2 = _numpy(context.state.array_records[SCAFFOLD_STATE])
-    for key in params:
-        np.testing.assert_allclose(c_2[key], c_1[key] - c[key] - delta_2[key] / k_eta, rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(dc_2[key], c_2[key] - c_1[key], rtol=1e-4, atol=1e-6)
+    for key in params:  # Δc_2 = c_2 − c_1 with c_2 = c_1 − c − Δy_2/(Kη)
+        np.testing.assert_allclose(dc_2[key], -c[key] - delta_2[key] / k_eta, rtol=1e-4, atol=1e-5)
     # the correction c − c_i changed training (same data order as a client without state)
     fresh = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 4},
                     state=RecordDict(), run_config=RUN_CONFIG)
     uncorrected = _numpy(app(_scaffold_message(x, params, 2), fresh).content.array_records["arrays"])
     assert any(not np.allclose(uncorrected[key], delta_2[key]) for key in params)
-    assert all(math.isfinite(float(np.abs(v).sum())) for v in c_2.values())
+    assert all(math.isfinite(float(np.abs(v).sum())) for v in dc_2.values())
+
+
+def test_a_pending_control_delta_is_committed_only_when_the_server_took_its_reply():
+    def state_with(committed, pending, pending_round):
+        state = RecordDict({"scaffold-pending": _record(pending), "scaffold-pending-round": ConfigRecord({"round": pending_round})})
+        if committed is not None:
+            state[SCAFFOLD_STATE] = _record(committed)
+        return state
+
+    c_i, delta = {"w": np.array([1.0, 2.0], dtype=np.float32)}, {"w": np.array([4.0, -2.0], dtype=np.float32)}
+    taken = state_with(c_i, delta, 3)
+    assert commit_scaffold_control(taken, 3, 1.0)
+    np.testing.assert_array_equal(taken.array_records[SCAFFOLD_STATE]["w"].numpy(), [5.0, 0.0])
+    assert "scaffold-pending" not in taken.array_records  # settled once
+    assert not commit_scaffold_control(taken, 3, 1.0)
+    bounded = state_with(c_i, delta, 3)  # the server's bound let in half of Δc
+    assert commit_scaffold_control(bounded, 3, 0.5)
+    np.testing.assert_array_equal(bounded.array_records[SCAFFOLD_STATE]["w"].numpy(), [3.0, 1.0])
+    lost = state_with(c_i, delta, 3)  # the server's last taken reply is of round 2: round 3's was lost
+    assert not commit_scaffold_control(lost, 2, 1.0)
+    np.testing.assert_array_equal(lost.array_records[SCAFFOLD_STATE]["w"].numpy(), [1.0, 2.0])
+    assert "scaffold-pending" not in lost.array_records
+    fresh = state_with(None, delta, 1)  # no committed c_i yet: it starts from zero
+    assert commit_scaffold_control(fresh, 1, 1.0)
+    np.testing.assert_array_equal(fresh.array_records[SCAFFOLD_STATE]["w"].numpy(), [4.0, -2.0])
+
+
+def test_the_server_tells_each_node_the_round_and_share_of_its_last_reply_it_took():
+    sent = []
+
+    def node(node_id):
+        def handle(message):
+            sent.append((node_id, dict(message.content.config_records["config"])))
+            if node_id == 2 and message.content.config_records["config"]["server-round"] == 1:
+                return None  # round 1's reply of node 2 is lost
+            zeros = {k: np.zeros_like(v.numpy()) for k, v in message.content.array_records["arrays"].items()}
+            control = {k: np.ones_like(v.numpy()) for k, v in message.content.array_records["control"].items()}
+            metrics = MetricRecord({"num-examples": 10})
+            return reply_with(message, RecordDict({"arrays": _record(zeros), "control": _record(control), "metrics": metrics}))
+        return handle
+
+    strategy = Scaffold(seed=0, update_clip=0.0, weight_clip=0.0, round_timeout=1.0)
+    strategy.start(FakeGrid({1: node(1), 2: node(2)}), _global(), num_rounds=3)
+    told = {(n, int(c["server-round"])): (c[SCAFFOLD_TAKEN_ROUND], c[SCAFFOLD_TAKEN_SHARE]) for n, c in sent}
+    assert told[(1, 1)] == (0, 1.0) and told[(1, 2)] == (1, 1.0) and told[(1, 3)] == (2, 1.0)
+    assert told[(2, 2)] == (0, 1.0) and told[(2, 3)] == (2, 1.0)  # its lost reply was never taken
+    assert strategy.state_dict()["taken"] == {"1": [3, 1.0], "2": [3, 1.0]}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from concatfl.bench.soak import Settings, soak
+from concatfl.bench.soak import Settings, condition_settings, paired_summary, render_paired, soak
 from concatfl.metrics import read_metrics
 
 
@@ -27,13 +27,71 @@ def test_a_short_soak_completes_resumes_exactly_accepts_no_bad_reply_and_leaves_
     assert report["faults"].get("supernode-killed") == 1 and report["faults"].get("superlink-killed") == 1
     assert report["processes_left"] == []
     # FedCat loses no copy to a dead, restarted or fuzzed node: every round dispatches K copies; a
-    # copy whose reply is missing or rejected keeps its model and d_i, one that replied grows.
+    # copy whose reply is missing or rejected goes on to a replacement device in a second hop, and
+    # keeps its model and d_i only when that one fails too; a copy that trained grows.
     previous: list[int] = []
     for record in read_metrics(tmp_path / "fedcat")["rounds"]:
         assert len(record["copy_to_device"]) == len(record["data_sizes"]) == record["k"]
         if record["offset"] == 0:
             previous = [0] * record["k"]
         missed = {miss["tag"] for miss in record["hops"][0]["misses"]}
+        if len(record["hops"]) > 1:
+            missed -= {entry["copy"] for entry in record["replacements"]}
+            missed |= {miss["tag"] for miss in record["hops"][1]["misses"]}
         for copy, (before, after) in enumerate(zip(previous, record["data_sizes"])):
             assert (after == before) if copy in missed else (after > before), record
         previous = record["data_sizes"]
+
+
+@pytest.mark.e2e
+def test_a_node_that_connects_after_stage_1_trains_in_fedseq_and_fedconcat(tmp_path):
+    # Six authenticated SuperNodes; each run starts with the four that are up and has one node of
+    # its own join once its checkpoint has passed round 1 (stage 1 is long over).
+    settings = Settings(nodes=6, rounds=3, strategies=("fedseq", "fedconcat"), fuzz_share=0.0, max_kills=0,
+                        superlink_restart="", hang=False, late_nodes=1, late_delay=0.0, late_after_round=1,
+                        time_limit=900.0, seed=0, baseline=False)
+    report = soak(settings, tmp_path)
+    assert report["processes_left"] == []
+    for run, late in zip(report["runs"], (4, 5)):
+        assert run["completed"], run
+        assert run["late_nodes"] == [late] and run["joined"] == [late]
+        metrics = read_metrics(tmp_path / run["strategy"])
+        assert metrics["setup"]["start_nodes"] == 4 + (run["strategy"] == "fedconcat")
+        (joined,) = [record for record in metrics["rounds"] if late in record["membership"].get("joined", [])]
+        (placed,) = joined["placements"]
+        assert placed["node"] == late and placed["why"] == "joined after the start"
+        assert joined["round"] >= 2  # after round 1's checkpoint
+        # Its data trained the model: it was placed where it trains and never sat out the run.
+        assert late not in metrics["membership"]["never_trained"]
+
+
+def test_the_paired_measure_gives_each_condition_its_faults_and_the_cost_against_clean():
+    base = Settings(nodes=10, rounds=30, strategies=("fedseq",))
+    clean, faults, late = (condition_settings(base, "fedseq", 2, c) for c in ("clean", "faults", "late"))
+    assert (clean.fuzz_share, clean.max_kills, clean.superlink_restart, clean.hang, clean.late_nodes) == (0.0, 0, "", False, 0)
+    assert (faults.fuzz_share, faults.max_kills, faults.superlink_restart, faults.hang) == (0.1, None, "fedseq", True)
+    assert faults.late_nodes == 2 and late.late_nodes == 5 and late.max_kills == 0 and late.fuzz_share == 0.0
+    assert all(s.seed == 2 and s.run["classes-per-client"] == 4 and not s.baseline for s in (clean, faults, late))
+    # Half the nodes start the late run: its late partitions are the last five.
+    assert late.started_at_first == [0, 1, 2, 3, 4] and late.late_partitions(0) == [5, 6, 7, 8, 9]
+
+    def run(condition, accuracy, **figures):
+        return {"condition": condition, "completed": True, "final_accuracy": accuracy, "faults": figures.pop("faults", {}),
+                **figures}
+
+    runs = [
+        run("clean", 0.90), run("clean", 0.92),
+        run("faults", 0.88, replies_rejected=3, replies_missing=4, never_trained=[7], joined=[8, 9],
+            superlink_restart={"round_redone": 3}, faults={"supernode-killed": 5}),
+        run("faults", 0.86, replies_rejected=1, faults={"supernode-killed": 2}),
+        run("late", 0.91, joined=[5, 6, 7, 8, 9]), {"condition": "late", "completed": False, "faults": {}},
+    ]
+    summary = paired_summary(runs)
+    assert summary["clean"]["mean"] == 0.91 and summary["faults"]["mean"] == 0.87
+    assert summary["faults"]["cost_points"] == 4.0 and summary["late"]["cost_points"] == 0.0
+    assert summary["faults"]["replies_rejected"] == 4 and summary["faults"]["kills"] == 7
+    assert summary["faults"]["rounds_redone"] == 1 and summary["faults"]["never_trained"] == [1, 0]
+    assert summary["late"]["completed"] == 1 and summary["late"]["runs"] == 2 and summary["late"]["joined_late"] == [5, 0]
+    table = render_paired({"settings": {"nodes": 10, "rounds": 30, "seeds": [0, 1]}, "wall_seconds": 1.0, "machine": "m",
+                           "load_average": {"start": 0, "end": 0}, "strategies": {"fedseq": summary}})
+    assert "| fedseq | 0.910 ± 0.014 (2/2) | 0.870 ± 0.014 (2/2) | 4.0 | 0.910 ± 0.000 (1/2) | 0.0 |" in table

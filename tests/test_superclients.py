@@ -274,3 +274,15 @@ def test_balance_and_coverage():
         {"clients": 2, "samples": 15, "balance_ratio": 0.0, "covered_classes": 2, "classes": [0, 1]},
         {"clients": 1, "samples": 20, "balance_ratio": 0.0, "covered_classes": 1, "classes": [2]},
     ]
+
+
+def test_a_late_client_joins_the_open_superclient_that_lacks_its_classes_most():
+    estimates = {0: np.array([5.0, 5.0, 0.0, 0.0]), 1: np.array([0.0, 5.0, 5.0, 0.0]), 2: None}
+    samples, members = {0: 10, 1: 10, 2: 3}, {0: 2, 1: 2, 2: 1}
+    # Class 0: superclient 1 has none of it (0 has half); class 3: a tie, the lower id.
+    assert sc.fitting_superclient(np.eye(4)[0], estimates, samples, members, "kl", 3) == 1
+    assert sc.fitting_superclient(np.eye(4)[3], estimates, samples, members, "kl", 3) == 0
+    # A full superclient is no candidate; without an approximation: the fewest samples.
+    assert sc.fitting_superclient(np.eye(4)[0], estimates, samples, {0: 2, 1: 3, 2: 1}, "kl", 3) == 0
+    assert sc.fitting_superclient(None, estimates, samples, members, "kl", 3) == 2
+    assert sc.fitting_superclient(np.eye(4)[0], estimates, samples, {0: 3, 1: 3, 2: 3}, "kl", 3) is None

@@ -165,8 +165,10 @@ def simulate_in_process(
     train every client (1 by default; the machine's cores when nothing else runs). `app_dir`:
     the Flower app (concatfl's own by default)."""
     app = App.load(app_dir)
-    config = app.run_config({**run_config, "output-dir": str(Path(workdir) / "output")})
-    if Path(app_dir).resolve() == PROJECT_DIR:
+    own_app = Path(app_dir).resolve() == PROJECT_DIR
+    # Every in-process node is there from the start: concatfl's start policy need not wait.
+    config = app.run_config({**({"start-settle": 0.0} if own_app else {}), **run_config, "output-dir": str(Path(workdir) / "output")})
+    if own_app:
         config = RunConfig.from_mapping(config).as_dict()  # concatfl's keys, checked and typed
     grid = InProcessGrid(
         {FIRST_NODE_ID + i: client_node(config, i, num_supernodes, app.client) for i in range(num_supernodes)}

@@ -62,6 +62,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "SCAFFOLD": {"strategy": "scaffold"},
     "FedAvg + FedDyn": {"strategy": "fedavg", "local-objective": "feddyn"},
     "FedCat": {"strategy": "fedcat"},
+    "FedCat (K = 4)": {"strategy": "fedcat", "fedcat-k": 4},
     "FedSeq": {"strategy": "fedseq"},
     "FedSeqInter": {"strategy": "fedseq-inter"},
     "FedConcat": {"strategy": "fedconcat"},
@@ -83,6 +84,9 @@ FUZZ_SETTINGS = [
     for share, label in ((0.0, "clean"), (0.1, "10 % fuzzed"), (0.3, "30 % fuzzed"))
     for state, extra in (("on", {}), ("off", GUARD_OFF))
 ]
+# Malformed replies only: 30 % of the replies lost to the server (what SCAFFOLD's control
+# variates must survive), without poison.
+DROPPED = (Setting("malformed30-guard-on", "30 % malformed (dropped), bounds on"), _fuzzed(0.3, "malformed"))
 SIGN_FLIP = (Setting("signflip20", "20 % sign-flipped, bounds on"), {**_fuzzed(0.2, "sign-flip"), "aggregation-byzantine": 2})
 CLEAN = FUZZ_SETTINGS[0]
 
@@ -91,12 +95,12 @@ def suite() -> Suite:
     """Every strategy × fuzz share × bounds on/off, and the aggregations under sign flips, for both apps."""
     cells: list[Cell] = []
     for method, strategy in STRATEGIES.items():
-        cells += [Cell(setting, method, CLIENTS, {**DIGITS, **strategy, **extra}) for setting, extra in FUZZ_SETTINGS]
+        cells += [Cell(setting, method, CLIENTS, {**DIGITS, **strategy, **extra}) for setting, extra in (*FUZZ_SETTINGS, DROPPED)]
     for variant in QUICKSTART_VARIANTS:
         method = f"quickstart app: {variant}"
         cells += [
             Cell(setting, method, CLIENTS, {**QUICKSTART, "variant": variant, **extra}, QUICKSTART_APP)
-            for setting, extra in FUZZ_SETTINGS
+            for setting, extra in (*FUZZ_SETTINGS, DROPPED)
         ]
     for aggregation in ("mean", *AGGREGATIONS):
         for app, config, label in ((None, {**DIGITS, "strategy": "fedavg"}, "FedAvg"),
@@ -107,8 +111,9 @@ def suite() -> Suite:
     notes = (
         f"digits, {CLIENTS} clients of two classes (#C=2), {ROUNDS} rounds, every client every round; client "
         "optimizer lr 0.05, momentum 0.9, batch 16, one epoch. FedConcat: 10 encoder + 10 classifier rounds; "
-        "FedSeq: 5 pre-training epochs, superclients of ~5 clients; FedCat: its default K (2 of 10)",
+        "FedSeq: 5 pre-training epochs, superclients of ~5 clients; FedCat: its default K (2 of 10), and K = 4",
         "fuzzed: that share of the eligible replies replaced by concatfl.fuzz, every kind drawn uniformly; "
+        "malformed (dropped): only the malformed kinds, which the server rejects; "
         "bounds off: update-clip=0 weight-clip=0 (validation still rejects malformed replies)",
         "sign-flipped: 20 % of the replies carry the reversed update (Krum and multi-Krum told f = 2)",
         "runs in one process (concatfl.bench.inprocess): the apps' ServerApp and ClientApp, no transport",
@@ -135,23 +140,45 @@ def fuzz_entries(metrics: Metrics) -> list[dict[str, Any]] | None:
     return [e for e in entries if e["run_id"] == metrics["run_id"] or (e["server_round"] or 0) <= resumed["after_round"]]
 
 
+# The tags of the requests that carry round 0 (stage 1's, and the same for a node placed later).
+STAGE1_TAGS = ("pretrain", "labels", "label-inference")
+
+
+def hop_records(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The hops of a round's record, or of the setup record (whose hops sit under their own
+    names: FedSeq's `pretraining`, FedConcat's list `stage1`)."""
+    if "hops" in record:
+        return list(record["hops"])
+    found = []
+    for value in record.values():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, dict) and "misses" in item:
+                found.append(item)
+    return found
+
+
 def server_view(metrics: Metrics, entry: dict[str, Any]) -> str:
     """How the server treated one fuzzed reply: "rejected", "bounded", "missing" (it never used
     it: the reply came too late, or as an error) or "accepted".
 
     The records name nodes by partition id where concatfl's ServerApp identifies them
     (`node_identity` in metrics.json), else by Flower node id. A reply without a round (a label
-    query) or of round 0 (pre-training, label inference) belongs to the strategy's setup.
+    query) or of round 0 (pre-training, label inference) answers stage 1: in the setup record,
+    or, for a node placed after the start, in the round that placed it (found by the stage-1
+    request tags).
     """
     node = entry["partition_id"] if "node_identity" in metrics else entry["node_id"]
     server_round = entry["server_round"] or 0
-    record = metrics["setup"] if server_round == 0 else metrics["rounds"][server_round - 1]
-    hops = record.get("hops") or [hop for key, hop in record.items() if isinstance(hop, dict) and "misses" in hop]
-    reasons = [miss["reason"] for hop in hops for miss in hop["misses"] if int(miss["node"]) == node]
+    if server_round == 0:
+        records, tags = [metrics["setup"], *metrics["rounds"]], STAGE1_TAGS
+    else:
+        records, tags = [metrics["rounds"][server_round - 1]], None
+    mine = lambda item: int(item["node"]) == node and (tags is None or item.get("tag") in tags)  # noqa: E731
+    reasons = [miss["reason"] for record in records for hop in hop_records(record) for miss in hop["misses"] if mine(miss)]
     if any(reason.startswith("rejected") for reason in reasons):
         return "rejected"
-    guarded = record.get("guard", {})
-    if any(int(event["node"]) == node for kind in ("clipped", "down-weighted") for event in guarded.get(kind, [])):
+    events = [e for record in records for kind in ("clipped", "down-weighted") for e in record.get("guard", {}).get(kind, [])]
+    if any(mine(event) for event in events):
         return "bounded"
     return "missing" if reasons else "accepted"
 

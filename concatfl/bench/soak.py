@@ -17,7 +17,11 @@ another, while a seeded chaos loop keeps injecting faults:
 - every run's replies are fuzzed (`--fuzz-share` of them malformed or poisoned, concatfl.fuzz,
   drawn uniformly from every kind);
 - one SuperNode's ClientApp hangs (`fuzz-kinds='hang'` in its node config): from its first hung
-  message on it answers nothing; every hop it is in waits for `--round-timeout`.
+  message on it answers nothing; every hop it is in waits for `--round-timeout`;
+- `--late-nodes` SuperNodes of every run connect `--late-delay` seconds after the run was
+  submitted (their keys registered then, as an operator adds a node that arrives): each run has
+  its own late nodes, so a sequence of runs needs `--late-nodes` × the runs of them. A run
+  starts once every node already started is connected (`expected-nodes`).
 
 Everything is bounded (`--time-limit`, default 30 min) and stopped at the end, on SIGTERM,
 SIGINT or the time limit; the soak then checks that no process it started is left. The report
@@ -26,6 +30,16 @@ accuracy against the same run without faults (in one process, `concatfl.bench.in
 faults injected, replies rejected / clipped / down-weighted, malformed replies accepted (0 is
 the target) and the hops lost to dead or hung nodes; and for the SuperLink restart, what the
 user did and what was lost.
+
+`--paired` measures what the faults cost: for every seed (`--seeds`) and strategy, the same run
+(`PAIRED_RUN`: a setting where every strategy ends above 0.85 without faults) on a fresh
+deployment three times: *clean* (every node there at the start, no fault), *faults* (the kills
+and restarts, a SuperLink restart with resume after round `--superlink-restart-after`, 10 %
+fuzzed replies, a hung node, and `PAIRED_LATE_NODES` nodes that connect 30 s late) and *late*
+(half the nodes at the start, the other half 30 s later, nothing else). `<out>/soak/paired.json`
+and `paired.md` give, per strategy, the accuracy of each condition (mean ± std over the seeds),
+the cost in points against *clean*, and where it went: rounds redone, partitions that never
+trained, replies rejected, clipped and missing.
 
 `--capacity` measures instead how many SuperNodes this machine holds: for growing N, N nodes
 idle (CPU per node) and then run one FedSeq round (peak resident memory per node, wall time).
@@ -40,7 +54,8 @@ import os
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +71,7 @@ from ..metrics import read_metrics
 from ..strategies.common import fingerprint
 from .inprocess import simulate_in_process
 from .overhead import cpu_model, load_average
-from .robustness import malformed_accepted, outsized_taken
+from .robustness import hop_records, malformed_accepted, outsized_taken
 
 SUITE = "soak"
 STRATEGIES = ("fedavg", "fedcat", "fedseq", "fedconcat")
@@ -80,6 +95,21 @@ SOAK_RUN = {
     "device": "cpu",
 }
 RESTART_DELAY = (5.0, 30.0)
+# The paired measure's runs: 10 nodes of four classes each, 30 rounds (FedConcat 8 + 12), where
+# every strategy ended at 0.85 or more without faults (in one process, seeds 0 and 1: FedAvg 0.91
+# and 0.86 at 20 rounds, FedCat with K = 4 0.91 and 0.89, FedSeq 0.94, FedConcat 0.92 and 0.93).
+PAIRED_RUN = {
+    "classes-per-client": 4,
+    "fedcat-k": 4,
+    "fedconcat-encoder-rounds": 8,
+    "fedconcat-classifier-rounds": 12,
+}
+PAIRED_NODES = 10
+PAIRED_ROUNDS = 30
+PAIRED_ROUND_TIMEOUT = 20.0  # a hung or killed node's hop waits this long, in every condition
+PAIRED_LATE_NODES = 2  # of the faults condition
+PAIRED_SEEDS = (0, 1, 2)
+CONDITIONS = ("clean", "faults", "late")
 
 
 @dataclass
@@ -97,9 +127,25 @@ class Settings:
     superlink_restart: str = "fedcat"
     superlink_restart_after: int = 2
     hang: bool = True
+    late_nodes: int = 0  # per run: nodes that connect `late_delay` s after it was submitted
+    late_delay: float = 30.0
+    late_after_round: int = 0  # > 0: and not before the run's checkpoint has passed this round
     executor: str = "warm"
     time_limit: float = 1800.0
     seed: int = 0
+    run: dict[str, Any] = field(default_factory=dict)  # run-config keys over SOAK_RUN
+    baseline: bool = True  # also run each strategy without faults in one process
+
+    def late_partitions(self, run_index: int) -> list[int]:
+        """The partitions that join run `run_index` late: the last late_nodes × runs are reserved,
+        late_nodes per run, in order."""
+        first = self.nodes - (len(self.strategies) - run_index) * self.late_nodes
+        return list(range(first, first + self.late_nodes))
+
+    @property
+    def started_at_first(self) -> list[int]:
+        """The partitions whose SuperNodes start with the session."""
+        return list(range(self.nodes - len(self.strategies) * self.late_nodes))
 
 
 @dataclass
@@ -169,6 +215,28 @@ class Chaos:
                 self.note("supernode-killed", node=victim)
                 self._spawn(self._restart, victim, delay)
 
+    def join_later(self, partitions: list[int], delay: float, ready: Callable[[], bool] = lambda: True) -> None:
+        """Start these SuperNodes (their keys registered then) `delay` s from now, and once
+        `ready()`, in the background; from then on they are nodes like the others (they may be
+        killed)."""
+        def join() -> None:
+            if self._stop.wait(delay):
+                return
+            while not ready():
+                if self._stop.wait(1.0):
+                    return
+            try:
+                started = start_authenticated_nodes(self.session, self.certificates, partitions, self.settings.nodes)
+            except (AssertionError, RuntimeError, SimulationError) as error:  # the session is stopping
+                self.note("supernodes-not-joined", nodes=partitions, reason=str(error).splitlines()[0])
+                return
+            with self._lock:
+                self.nodes.update(started)
+            self.note("supernodes-joined", nodes=partitions, seconds_after_submit=delay)
+
+        if partitions:
+            self._spawn(join)
+
     def _restart(self, victim: int, delay: float) -> None:
         if self._stop.wait(delay):
             self.note("supernode-not-restarted", node=victim, reason="the soak ended first")
@@ -182,14 +250,17 @@ class Chaos:
             self._down.discard(victim)
 
 
-def run_config(settings: Settings, strategy: str, output: Path) -> dict[str, Any]:
-    """One soak run's run config (its outputs and fuzz log in `output`)."""
+def run_config(settings: Settings, strategy: str, output: Path, expected_nodes: int = 0) -> dict[str, Any]:
+    """One soak run's run config (its outputs and fuzz log in `output`); it starts once
+    `expected_nodes` are connected (0: the start policy's default)."""
     return {
         **SOAK_RUN,
+        **settings.run,
         "strategy": strategy,
         "num-server-rounds": settings.rounds,
         "round-timeout": settings.round_timeout,
-        "min-available-nodes": max(2, settings.nodes // 2),
+        "min-available-nodes": max(2, min(settings.nodes // 2, expected_nodes or settings.nodes)),
+        "expected-nodes": expected_nodes,
         "fraction-train": 0.5 if strategy == "fedavg" else 1.0,
         "fuzz-share": settings.fuzz_share,
         "fuzz-seed": settings.seed,
@@ -199,13 +270,19 @@ def run_config(settings: Settings, strategy: str, output: Path) -> dict[str, Any
     }
 
 
-def run_one(session: FlowerSession, chaos: Chaos, settings: Settings, strategy: str, output: Path, deadline: float) -> dict[str, Any]:
-    """Submit one run, restart the SuperLink in it if asked, wait for it; its summary."""
-    config = run_config(settings, strategy, output)
+# pylint: disable=too-many-arguments
+def run_one(
+    session: FlowerSession, chaos: Chaos, settings: Settings, strategy: str, output: Path, deadline: float,
+    late: list[int],
+) -> dict[str, Any]:
+    """Submit one run (it waits for every node started so far), let the `late` nodes join it,
+    restart the SuperLink in it if asked, wait for it; its summary."""
+    config = run_config(settings, strategy, output, expected_nodes=len(chaos.nodes))
     started = time.monotonic()
-    outcome: dict[str, Any] = {"strategy": strategy, "completed": False}
+    outcome: dict[str, Any] = {"strategy": strategy, "completed": False, "late_nodes": late}
     try:
         run_id = session.submit(config)
+        chaos.join_later(late, settings.late_delay, lambda: checkpointed_round(output) >= settings.late_after_round)
         if strategy == settings.superlink_restart:
             outcome["superlink_restart"] = restart_superlink(session, chaos, settings, config, output, deadline)
             run_id = outcome["superlink_restart"]["resumed_run"]
@@ -225,10 +302,7 @@ def restart_superlink(
     """Wait for the checkpoint of round `superlink_restart_after`, SIGKILL the SuperLink, start it
     again on its database, wait for the SuperNodes, resubmit the run with resume=true."""
     def checkpointed() -> int:
-        try:
-            return load_checkpoint(output).server_round
-        except (FileNotFoundError, EOFError, RuntimeError):  # none yet, or being replaced
-            return 0
+        return checkpointed_round(output)
 
     wait_for(lambda: checkpointed() >= settings.superlink_restart_after, deadline - time.monotonic(),
              f"round {settings.superlink_restart_after} of the {config['strategy']} run")
@@ -258,6 +332,14 @@ def restart_superlink(
     }
 
 
+def checkpointed_round(output: Path) -> int:
+    """The last round of the run in `output` that its checkpoint holds (0: none yet)."""
+    try:
+        return load_checkpoint(output).server_round
+    except (FileNotFoundError, EOFError, RuntimeError):  # none yet, or being replaced
+        return 0
+
+
 def fingerprint_state(state: dict[str, Any]) -> str:
     """The fingerprint of a torch state dict, as concatfl's ServerApp records the model it resumed from."""
     from flwr.app import ArrayRecord  # pylint: disable=import-outside-toplevel
@@ -268,7 +350,7 @@ def fingerprint_state(state: dict[str, Any]) -> str:
 def describe(metrics: dict[str, Any]) -> dict[str, Any]:
     """What a run's metrics.json says about the faults it met."""
     misses = [miss for record in metrics["rounds"] for hop in record["hops"] for miss in hop["misses"]]
-    setup_misses = [m for hop in metrics["setup"].values() if isinstance(hop, dict) for m in hop.get("misses", [])]
+    setup_misses = [miss for hop in hop_records(metrics["setup"]) for miss in hop["misses"]]
     guard = [record.get("guard", {}) for record in [metrics["setup"], *metrics["rounds"]]]
     return {
         "rounds": len(metrics["rounds"]),
@@ -280,6 +362,8 @@ def describe(metrics: dict[str, Any]) -> dict[str, Any]:
         "malformed_accepted": malformed_accepted(metrics),
         "outsized_taken_as_sent": outsized_taken(metrics),
         "resumed": metrics.get("resumed"),
+        "never_trained": metrics.get("membership", {}).get("never_trained"),
+        "joined": sorted({node for record in metrics["rounds"] for node in record.get("membership", {}).get("joined", [])}),
     }
 
 
@@ -305,31 +389,34 @@ def soak(settings: Settings, out: Path) -> dict[str, Any]:
         database=out / "superlink.db",
         executor=settings.executor,
     )
-    hang_node = settings.nodes - 1 if settings.hang else None
+    first = settings.started_at_first
+    hang_node = first[-1] if settings.hang else None
     runs = []
     with session:
         nodes = start_authenticated_nodes(
-            session, certificates, list(range(settings.nodes)), settings.nodes,
+            session, certificates, first, settings.nodes,
             node_config=lambda i: "fuzz-share=1.0 fuzz-kinds='hang'" if i == hang_node else "",
         )
-        wait_for(lambda: len(online_node_ids(session)) == settings.nodes, 180, "every SuperNode online")
+        wait_for(lambda: len(online_node_ids(session)) == len(first), 180, "every SuperNode online")
         chaos = Chaos(session, certificates, nodes, settings, protected={hang_node} - {None})
         if hang_node is not None:
             chaos.note("clientapp-hangs", node=hang_node)
         chaos.start()
         try:
-            for strategy in settings.strategies:
+            for index, strategy in enumerate(settings.strategies):
                 if time.monotonic() > deadline:
                     runs.append({"strategy": strategy, "completed": False, "error": "time limit reached before it started"})
                     continue
-                runs.append(run_one(session, chaos, settings, strategy, out / strategy, deadline))
+                late = settings.late_partitions(index)
+                runs.append(run_one(session, chaos, settings, strategy, out / strategy, deadline, late))
         except BaseException:  # SIGTERM, SIGINT: stop at once, the session's exit stops every process
             chaos.stop(wait=0.0)
             raise
         chaos.stop()
     leftovers = leftover_processes(out)
     for run in runs:
-        run["baseline_accuracy"] = baseline(settings, run["strategy"], out / "baseline" / run["strategy"])
+        if settings.baseline:
+            run["baseline_accuracy"] = baseline(settings, run["strategy"], out / "baseline" / run["strategy"])
     report = {
         "settings": asdict(settings),
         "machine": machine(),
@@ -386,6 +473,112 @@ def render(report: dict[str, Any]) -> str:
             f"{run.get('replies_clipped', '–')} / {run.get('replies_down_weighted', '–')} | "
             f"{run.get('malformed_accepted', '–')} | {run.get('replies_missing', '–')} | {resumed} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ paired
+
+
+def condition_settings(base: Settings, strategy: str, seed: int, condition: str) -> Settings:
+    """The soak settings of one paired run: `base`'s nodes, rounds and limits, one strategy."""
+    common = replace(base, strategies=(strategy,), seed=seed, baseline=False, run={**PAIRED_RUN, **base.run},
+                     round_timeout=PAIRED_ROUND_TIMEOUT)
+    if condition == "clean":
+        return replace(common, fuzz_share=0.0, max_kills=0, superlink_restart="", hang=False, late_nodes=0)
+    if condition == "late":
+        return replace(common, fuzz_share=0.0, max_kills=0, superlink_restart="", hang=False,
+                       late_nodes=base.nodes // 2)
+    return replace(common, superlink_restart=strategy, hang=True, late_nodes=PAIRED_LATE_NODES)
+
+
+def paired(base: Settings, seeds: tuple[int, ...], out: Path) -> dict[str, Any]:
+    """Every strategy of `base` clean, with faults and with late nodes only, for every seed, each
+    run on a fresh deployment (module docstring); the report, also written to `out`. A run whose
+    folder already holds a report is not run again (an interrupted measure resumes)."""
+    out = out.resolve()
+    started, load_before = time.monotonic(), load_average()
+    runs: list[dict[str, Any]] = []
+    for seed in seeds:
+        for strategy in base.strategies:
+            for condition in CONDITIONS:
+                folder = out / "paired" / f"seed-{seed}" / strategy / condition
+                if (folder / "report.json").exists():
+                    report = json.loads((folder / "report.json").read_text())
+                else:
+                    report = soak(condition_settings(base, strategy, seed, condition), folder)
+                (run,) = report["runs"]
+                runs.append({"seed": seed, "condition": condition, **run, "faults": report["faults"],
+                             "processes_left": len(report["processes_left"]), "load_average": report["load_average"]})
+    summary = {
+        "settings": {**asdict(base), "run": {**PAIRED_RUN, **base.run}, "seeds": list(seeds)},
+        "machine": machine(),
+        "load_average": {"start": load_before, "end": load_average()},
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "strategies": {strategy: paired_summary([r for r in runs if r["strategy"] == strategy]) for strategy in base.strategies},
+        "runs": runs,
+    }
+    (out / "paired.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "paired.md").write_text(render_paired(summary))
+    return summary
+
+
+def paired_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per condition: accuracy mean ± std, the cost in points against clean, and where it went."""
+    def figures(condition: str) -> dict[str, Any]:
+        chosen = [run for run in runs if run["condition"] == condition]
+        accuracies = [run["final_accuracy"] for run in chosen if run.get("completed") and "final_accuracy" in run]
+        total = lambda key: sum(run.get(key) or 0 for run in chosen)  # noqa: E731
+        return {
+            "runs": len(chosen),
+            "completed": sum(bool(run.get("completed")) for run in chosen),
+            "accuracy": accuracies,
+            "mean": round(statistics.fmean(accuracies), 4) if accuracies else None,
+            "std": round(statistics.stdev(accuracies), 4) if len(accuracies) > 1 else 0.0,
+            "rounds_redone": sum(1 for run in chosen if run.get("superlink_restart")),
+            "never_trained": [len(run.get("never_trained") or []) for run in chosen],
+            "joined_late": [len(run.get("joined") or []) for run in chosen],
+            "replies_rejected": total("replies_rejected"),
+            "replies_clipped": total("replies_clipped"),
+            "replies_missing": total("replies_missing"),
+            "malformed_accepted": total("malformed_accepted"),
+            "kills": sum(run["faults"].get("supernode-killed", 0) for run in chosen),
+        }
+
+    result = {condition: figures(condition) for condition in CONDITIONS}
+    for condition in ("faults", "late"):
+        if result[condition]["mean"] is not None and result["clean"]["mean"] is not None:
+            result[condition]["cost_points"] = round(100 * (result["clean"]["mean"] - result[condition]["mean"]), 1)
+    return result
+
+
+def render_paired(summary: dict[str, Any]) -> str:
+    """The paired measure as markdown: a row per strategy, then where the cost went."""
+    settings = summary["settings"]
+    lines = [
+        f"## soak, paired: {settings['nodes']} SuperNodes, {settings['rounds']} rounds, seeds {settings['seeds']}, "
+        f"{summary['wall_seconds']:.0f} s",
+        "",
+        f"{summary['machine']}; load average {summary['load_average']['start']} → {summary['load_average']['end']}",
+        "",
+        "| strategy | clean | faults | cost (points) | late nodes only | cost (points) |",
+        "|---|---|---|---|---|---|",
+    ]
+    cell = lambda f: "–" if f["mean"] is None else f"{f['mean']:.3f} ± {f['std']:.3f} ({f['completed']}/{f['runs']})"  # noqa: E731
+    for strategy, by_condition in summary["strategies"].items():
+        lines.append(
+            f"| {strategy} | {cell(by_condition['clean'])} | {cell(by_condition['faults'])} | "
+            f"{by_condition['faults'].get('cost_points', '–')} | {cell(by_condition['late'])} | "
+            f"{by_condition['late'].get('cost_points', '–')} |"
+        )
+    lines += ["", "| strategy, condition | kills | rounds redone | partitions never trained (per run) | nodes joined late (per run) "
+              "| replies rejected | clipped | missing | malformed accepted |", "|---|---|---|---|---|---|---|---|---|"]
+    for strategy, by_condition in summary["strategies"].items():
+        for condition in ("faults", "late"):
+            f = by_condition[condition]
+            lines.append(
+                f"| {strategy}, {condition} | {f['kills']} | {f['rounds_redone']} | {f['never_trained']} | {f['joined_late']} | "
+                f"{f['replies_rejected']} | {f['replies_clipped']} | {f['replies_missing']} | {f['malformed_accepted']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -495,8 +688,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m concatfl.bench {SUITE}", description=__doc__.split("\n\n")[0])
     defaults = Settings()
     parser.add_argument("--out", default="results", help="results folder (the soak writes <out>/soak)")
-    parser.add_argument("--nodes", type=int, default=defaults.nodes)
-    parser.add_argument("--rounds", type=int, default=defaults.rounds)
+    parser.add_argument("--nodes", type=int, help=f"default {defaults.nodes} ({PAIRED_NODES} with --paired)")
+    parser.add_argument("--rounds", type=int, help=f"default {defaults.rounds} ({PAIRED_ROUNDS} with --paired)")
     parser.add_argument("--strategies", default=",".join(defaults.strategies))
     parser.add_argument("--fuzz-share", type=float, default=defaults.fuzz_share)
     parser.add_argument("--kill-share", type=float, default=defaults.kill_share)
@@ -508,8 +701,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--executor", choices=EXECUTORS, default=defaults.executor)
     parser.add_argument("--time-limit", type=float, default=defaults.time_limit, help="seconds (default 1800)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--late-nodes", type=int, default=defaults.late_nodes, help="nodes per run that join late")
+    parser.add_argument("--late-delay", type=float, default=defaults.late_delay, help="seconds after the run's submission")
     parser.add_argument("--capacity", default="", metavar="N,N,…", help="measure capacity for these node counts instead")
+    parser.add_argument("--paired", action="store_true", help="measure what the faults cost (module docstring)")
+    parser.add_argument("--seeds", default=",".join(map(str, PAIRED_SEEDS)), help="the paired measure's seeds")
     args = parser.parse_args(argv)
+    args.nodes = args.nodes or (PAIRED_NODES if args.paired else defaults.nodes)
+    args.rounds = args.rounds or (PAIRED_ROUNDS if args.paired else defaults.rounds)
     out = Path(args.out) / SUITE
     if args.capacity:
         rows = capacity([int(n) for n in args.capacity.split(",")], args.executor, out)
@@ -519,12 +718,19 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or args.nodes < 4:
         parser.error(f"--strategies from {', '.join(STRATEGIES)} (got {unknown}); --nodes at least 4")
+    if args.late_nodes * len(strategies) >= args.nodes // 2:
+        parser.error(f"--late-nodes {args.late_nodes} x {len(strategies)} runs must stay below half the --nodes")
     settings = Settings(
         nodes=args.nodes, rounds=args.rounds, strategies=strategies, fuzz_share=args.fuzz_share,
         kill_share=args.kill_share, kill_every=args.kill_every, round_timeout=args.round_timeout,
         superlink_restart=args.superlink_restart, superlink_restart_after=args.superlink_restart_after,
-        hang=not args.no_hang, executor=args.executor, time_limit=args.time_limit, seed=args.seed,
+        hang=not args.no_hang, late_nodes=args.late_nodes, late_delay=args.late_delay, executor=args.executor,
+        time_limit=args.time_limit, seed=args.seed,
     )
+    if args.paired:
+        summary = paired(settings, tuple(int(seed) for seed in args.seeds.split(",")), out)
+        print(render_paired(summary))
+        return 0 if not any(run["processes_left"] for run in summary["runs"]) else 1
     report = soak(settings, out)
     print(render(report))
     return 0 if not report["processes_left"] else 1

@@ -255,6 +255,33 @@ def assign_clusters(
     return NodeClusters(assignment, clustering, unreported, fallback)
 
 
+def agreement(reported: np.ndarray, inferred: np.ndarray, reported_mean: np.ndarray, inferred_mean: np.ndarray) -> float:
+    """How well a node's reported label distribution p matches what its model says, q = P^ID:
+    cos(p − p̄, q − q̄), p̄ and q̄ the means over the federation's nodes.
+
+    P^ID of a model trained one round from a random start is a faint, biased copy of the
+    client's label distribution (the same bias for every client: centring removes it); the
+    cosine of the centred vectors is near 1 for an honest report and near or below 0 for a
+    report that names other classes than the client trains on. 0 when either centred vector
+    is zero (no signal).
+    """
+    p = np.asarray(reported, dtype=np.float64) - reported_mean
+    q = np.asarray(inferred, dtype=np.float64) - inferred_mean
+    norms = float(np.linalg.norm(p) * np.linalg.norm(q))
+    return float(p @ q / norms) if norms > 0 else 0.0
+
+
+def nearest_profile(inferred: np.ndarray, inferred_mean: np.ndarray, profiles: Mapping[int, np.ndarray]) -> int:
+    """The cluster whose profile (the mean centred P^ID of its trusted members) is most like a
+    node's centred P^ID, by cosine; ties go to the lower cluster."""
+    q = np.asarray(inferred, dtype=np.float64) - inferred_mean
+    scores = {
+        cluster: float(q @ profile / (np.linalg.norm(q) * np.linalg.norm(profile) or 1.0))
+        for cluster, profile in sorted(profiles.items())
+    }
+    return max(scores, key=lambda cluster: (scores[cluster], -cluster))
+
+
 def nearest_cluster(point: np.ndarray, centres: np.ndarray) -> int:
     """Index of the centre nearest (Euclidean) to `point`; ties go to the lower index."""
     return int(np.argmin(np.linalg.norm(np.asarray(centres) - np.asarray(point), axis=1)))

@@ -113,6 +113,19 @@ def select_grouped(
     return selected
 
 
+def select_replacement(
+    candidates: Sequence[int], table: CountTable, offset: int, epsilon: float, rng: np.random.Generator
+) -> int | None:
+    """The device that takes over a copy whose device did not answer: one of `candidates` (the
+    connected members of the lost device's group not selected this round) by `pick_in_group`,
+    counted in M[dev][offset] like any selection; None when there is no candidate."""
+    if not candidates:
+        return None
+    node = int(candidates[pick_in_group(table.counts(candidates, offset), epsilon, rng)])
+    table.increment(node, offset)
+    return node
+
+
 def select_random(nodes: Sequence[int], k: int, rng: np.random.Generator) -> list[int]:
     """The "w/ DC" ablation's L_dev: k distinct nodes drawn uniformly (no groups, no counts)."""
     return [int(nodes[i]) for i in rng.choice(len(nodes), size=k, replace=False)]

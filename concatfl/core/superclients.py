@@ -318,6 +318,33 @@ def absorb_leftovers(groups: Grouping, sizes: Sequence[int], min_samples: int, m
     return kept + [stranded] if stranded else kept
 
 
+def fitting_superclient(
+    vector: np.ndarray | None,
+    estimates: Mapping[int, np.ndarray | None],
+    samples: Mapping[int, int],
+    members: Mapping[int, int],
+    metric: str,
+    max_clients: int,
+) -> int | None:
+    """The superclient a client that arrives after the grouping joins, or None when all are full.
+
+    Candidates are the superclients with fewer than `max_clients` members (a chain's length
+    stays bounded). With an approximation D̃_j (`vector`) the client joins the candidate whose
+    estimated distribution D_S (`estimates[s]`, None when no member had one) it differs from
+    most by the greedy grouping's τ (`metric`): the superclient that lacks its classes most.
+    Without one, or when no candidate has an estimate, it joins the candidate with the fewest
+    `samples`. Ties go to the lowest id.
+    """
+    candidates = sorted(sid for sid in members if members[sid] < max_clients)
+    if not candidates:
+        return None
+    scored = [sid for sid in candidates if estimates.get(sid) is not None]
+    if vector is not None and scored:
+        scores = [dissimilarity(metric, vector, estimates[sid]) for sid in scored]  # type: ignore[arg-type]
+        return scored[int(np.argmax(scores))]
+    return min(candidates, key=lambda sid: (samples[sid], sid))
+
+
 def group_clients(
     method: str,
     vectors: np.ndarray,

@@ -3,7 +3,9 @@
 A round is a sequence of hops (see `common.relay`). A subclass says what each hop sends
 (`train_requests`) and what to make of its replies (`aggregate_hop`); the base runs the
 rounds, measures bytes and seconds, evaluates the global model whenever it changes, and keeps
-one JSON-ready record per round in `history` (the rounds of metrics.json).
+one JSON-ready record per round in `history` (the rounds of metrics.json). At the start of every
+round it looks at the connected nodes and asks the subclass (`place`) where each node that
+joined after the start, or came back, goes (`membership`): one mechanism for every strategy.
 
 Flower's own hooks are honoured: `configure_train`/`aggregate_train` are the same two steps
 seen from Flower's side (one hop each call), so a user who drives the strategy by hand sees
@@ -50,6 +52,7 @@ from .common import (
 )
 from ..config import DEFAULT_ROUND_TIMEOUT
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP, ReplyGuard
+from .membership import JOINED, RETURNED, START, Membership, placement
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 _ABSENT = object()
@@ -112,6 +115,12 @@ class RelayStrategy(Strategy):
         self._pending_messages: list[Message] = []
         self._hop_position: tuple[int, int] = (0, 0)
         self._modules: dict[str, tuple[Hashable, nn.Module]] = {}  # reusable_module's, by slot
+        self.membership = Membership()
+        self._round_hops: list[HopResult] = []  # every hop of the current round (or of setup)
+        self._placing_hops: list[HopResult] = []  # those of them that placed nodes
+        self._membership_record: dict[str, Any] = {}  # the current round's membership counts
+        self._train_config = ConfigRecord()  # the run's training config (placing nodes may train them)
+        self.last_round: int | None = None  # the run's last round, once `start()` knows it
 
     # ------------------------------------------------------------------ subclass hooks
     def setup(self, grid: Grid, initial_arrays: ArrayRecord, train_config: ConfigRecord) -> None:
@@ -119,6 +128,21 @@ class RelayStrategy(Strategy):
 
         Use `self.hop(grid, requests)` to talk to nodes and `self.setup_record` to report.
         """
+
+    def place(self, grid: Grid, nodes: list[int], why: str, server_round: int) -> dict[int, Any]:
+        """Where each of `nodes` goes (JSON-ready), for the reason `why` (`membership`'s START,
+        JOINED, RETURNED, or a strategy's own such as NO_STAGE1_REPLY).
+
+        Called at the start of a round for nodes that joined or came back (`server_round`), and
+        once after `setup` for the nodes connected at the start that setup did not place. The
+        default suits strategies that sample from every connected node each round: a node is in
+        the "pool" from the moment it connects, and a returning node keeps its place. A strategy
+        may talk to the nodes here (`self.hop(grid, requests, placing=True)`) and may leave a
+        node out of the answer: it is asked again in the next round.
+        """
+        if why == RETURNED:
+            return {node: self.membership.places[node] for node in nodes}
+        return {node: "pool" for node in nodes}
 
     @abstractmethod
     def train_requests(
@@ -146,6 +170,7 @@ class RelayStrategy(Strategy):
             "history": copy.deepcopy(self.history),
             "setup_record": copy.deepcopy(self.setup_record),
             "guard": self.guard.state_dict(),
+            "membership": self.membership.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -154,6 +179,7 @@ class RelayStrategy(Strategy):
         self.history = copy.deepcopy(state["history"])
         self.setup_record = copy.deepcopy(state["setup_record"])
         self.guard.load_state_dict(state["guard"])
+        self.membership.load_state_dict(state["membership"])
 
     def global_module(self, arrays: ArrayRecord, make_model: Callable[[], nn.Module]) -> nn.Module:
         """The torch module that `arrays` (the global model this strategy returns) stands for.
@@ -184,11 +210,16 @@ class RelayStrategy(Strategy):
         return module
 
     # ------------------------------------------------------------------ helpers for subclasses
-    def hop(self, grid: Grid, requests: list[Request]) -> HopResult:
+    def hop(self, grid: Grid, requests: list[Request], placing: bool = False) -> HopResult:
         """Run one relay hop with this strategy's timeout; its rejected replies count against
-        their nodes (`guard.ReplyGuard`)."""
+        their nodes (`guard.ReplyGuard`). The hop's traffic counts in the current round's (or
+        setup's) record; `placing`: it serves to place nodes (`place`), so its replies do not
+        count as the round's training."""
         hop = relay(grid, requests, self.round_timeout)
         self.guard.note_rejected(hop.misses)
+        self._round_hops.append(hop)
+        if placing:
+            self._placing_hops.append(hop)
         return hop
 
     def reject(self, hop: HopResult, reply: Reply, problem: str) -> None:
@@ -218,6 +249,9 @@ class RelayStrategy(Strategy):
         """Messages of the round's next hop (FedSeq rounds have several; others one)."""
         last_round, last_hop = self._hop_position
         hop = last_hop if last_round == server_round else 0
+        if hop == 0:
+            self._round_hops, self._placing_hops, self._train_config = [], [], config
+            self._admit(grid, server_round)
         self._pending = self.train_requests(server_round, hop, arrays, config, grid)
         self._hop_position = (server_round, hop + 1)
         self._pending_messages = to_messages(self._pending)
@@ -308,9 +342,11 @@ class RelayStrategy(Strategy):
         if self.round_timeout is None:
             self.round_timeout = timeout
         self._evaluate_fn = evaluate_fn
+        self.last_round = num_rounds
         self.summary()
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        self._train_config = train_config
         result = Result(arrays=initial_arrays)
         arrays = initial_arrays
         if evaluate_fn and not self.history:
@@ -321,32 +357,39 @@ class RelayStrategy(Strategy):
         started = time.perf_counter()
         if not self.history:
             self.guard.begin_round(0)
+            self._round_hops, self._placing_hops = [], []
             self.setup(grid, initial_arrays, train_config)
+            self._place_start(grid)
             if guarded := self.guard.round_record():
                 self.setup_record["guard"] = guarded
         for server_round in range(len(self.history) + 1, num_rounds + 1):
             round_started = time.perf_counter()
             self._round_extras = {}
             self.guard.begin_round(server_round)
-            hops: list[HopResult] = []
+            self._round_hops, self._placing_hops = [], []
+            self._admit(grid, server_round)
             changed = False
             for position in itertools.count():
                 requests = self.train_requests(server_round, position, arrays, train_config, grid)
                 if not requests:
                     break
                 hop = self.hop(grid, requests)
-                hops.append(hop)
                 new_arrays, train_metrics = self.aggregate_hop(server_round, hop)
                 if new_arrays is not None:
                     arrays, changed = new_arrays, True
                 if train_metrics is not None:
                     result.train_metrics_clientapp[server_round] = train_metrics
+            hops = self._round_hops
+            trained = self._trained_nodes()
+            self.membership.trained |= trained
+            self._membership_record["trained"] = len(trained)
             record: dict[str, Any] = {
                 "round": server_round,
                 "bytes_sent": sum(h.bytes_sent for h in hops),
                 "bytes_received": sum(h.bytes_received for h in hops),
                 "hops": [h.as_record() for h in hops],
                 "aggregated": changed,
+                "membership": self._membership_record,
                 **self._round_extras,
             }
             if guarded := self.guard.round_record():
@@ -376,6 +419,63 @@ class RelayStrategy(Strategy):
         # the round lines above (they stay in the returned Result and in metrics.json).
         log(INFO, "Strategy execution finished in %.2fs", time.perf_counter() - started)
         return result
+
+    # ------------------------------------------------------------------ membership
+    def _place_start(self, grid: Grid) -> None:
+        """After setup: place the connected nodes that setup did not place. For a strategy
+        without a stage 1 that is every node, placed without a record per node; after a stage 1
+        it is the nodes that connected while it ran, placed as nodes that joined (recorded in
+        the setup record's ``placements``)."""
+        staged = bool(self.membership.places)
+        unplaced = [node for node in live_node_ids(grid) if node not in self.membership.places]
+        why = JOINED if staged else START
+        placements = self.setup_record.setdefault("placements", []) if staged and unplaced else None
+        for node, where in (self.place(grid, unplaced, why, 0).items() if unplaced else ()):
+            self.settle(node, where, why, placements)
+        self.setup_record["start_nodes"] = len(self.membership.places)
+
+    def settle(self, node: int, where: Any, why: str, placements: list[dict[str, Any]] | None = None) -> None:
+        """Record `node`'s place; a placement for a reason other than START is also appended to
+        `placements` (a strategy's setup record keeps its own)."""
+        self.membership.settle(node, where)
+        if placements is not None and why != START:
+            placements.append(placement(node, where, why))
+
+    def _admit(self, grid: Grid, server_round: int) -> None:
+        """The start of a round: place the nodes that joined or came back, and note who left."""
+        live = live_node_ids(grid)
+        changes = self.membership.look(live)
+        placements: list[dict[str, Any]] = []
+        for nodes, why in ((changes.new, JOINED), (changes.returned, RETURNED)):
+            if nodes:
+                for node, where in self.place(grid, nodes, why, server_round).items():
+                    self.settle(node, where, why, placements)
+        self._membership_record = {"connected": len(live)}
+        for key, nodes in (("joined", changes.new), ("returned", changes.returned), ("left", changes.left)):
+            if nodes:
+                self._membership_record[key] = nodes
+        if placements:
+            self.record("placements", placements)
+        if changes.new or changes.returned or changes.left:
+            where = {entry["node"]: entry["where"] for entry in placements}
+            unplaced = [node for node in changes.new + changes.returned if node not in where]
+            log(
+                INFO,
+                "Round %s: %d nodes connected; joined %s, came back %s, left %s; placed (node: where) %s%s",
+                server_round, len(live), changes.new, changes.returned, changes.left, where,
+                f"; not placed yet {unplaced}" if unplaced else "",
+            )
+
+    def _trained_nodes(self) -> set[int]:
+        """The nodes that had a training reply accepted this round (placing hops aside)."""
+        placing = {id(hop) for hop in self._placing_hops}
+        return {
+            reply.node_id
+            for hop in self._round_hops
+            if id(hop) not in placing
+            for reply in hop.replies
+            if reply.request.message_type.startswith(MessageType.TRAIN)
+        }
 
     def _federated_evaluation(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

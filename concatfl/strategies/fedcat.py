@@ -11,7 +11,7 @@ from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
@@ -27,11 +27,13 @@ from ..core.fedcat import (
     make_groups,
     select_grouped,
     select_random,
+    select_replacement,
 )
 from .base import EvaluateFn, RelayStrategy
 from .common import (
     NUM_EXAMPLES_KEY,
     HopResult,
+    Miss,
     Request,
     live_node_ids,
     to_numpy,
@@ -41,7 +43,8 @@ from .common import (
 )
 from .feddyn import FedDynServer, from_config as feddyn_from_config
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
-from .sequential import DEFAULT_HOP_CLIP, DEFAULT_HOP_STEP, ChainGuard
+from .membership import RETURNED
+from .sequential import DEFAULT_HOP_CLIP, FEDCAT_HOP_STEP, ChainGuard
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -72,11 +75,18 @@ class FedCat(RelayStrategy):
     Only ``"arrays"`` are sent (with the run's training config plus ``"server-round"``) and only
     ``"arrays"`` and ``metrics["num-examples"]`` are read back, so any Flower ClientApp works.
 
-    Faults: a missing, error or invalid reply (wrong keys/shapes/dtypes, NaN/Inf,
-    num-examples ≤ 0, rejected with a logged reason by `common.collect`) leaves that copy and
-    its d_i unchanged. An outsized reply is bounded (`update_clip`, `weight_clip`; recorded
+    Faults: a copy whose device gives no usable reply (missing, an error, or invalid: wrong
+    keys/shapes/dtypes, NaN/Inf, num-examples ≤ 0, rejected with a logged reason by
+    `common.collect`) goes on, in a second hop of the same round, to a replacement device: a
+    connected member of the lost device's group not selected this round (any connected node not
+    selected, with `selection="random"`), chosen by the same count rule and counted in M
+    (recorded under ``replacements``). A copy whose replacement fails too, or that finds none,
+    keeps its model and its d_i for the next round. An outsized reply is bounded (`update_clip`, `weight_clip`; recorded
     under ``guard``): it moves its copy and adds to d_i only as much as the bounds allow. Nodes missing from `grid.get_node_ids()` leave their groups; the groups
-    are redrawn at the next grouping point, or at once when a group became empty. When fewer
+    are redrawn at the next grouping point, or at once when a group became empty. A node that
+    joins after the start, or comes back after leaving its group, joins the smallest group at
+    once (`place`; before the first grouping every connected node is drawn from): its counts
+    are zero, so the selection soon picks it. When fewer
     than K nodes remain, K shrinks to the nodes available (logged): the open cycle's copies are
     averaged into the global model first, so no training is lost, and a new cycle with new
     groups and a fresh count table starts (offsets of a different cycle length are not
@@ -133,7 +143,7 @@ class FedCat(RelayStrategy):
         selection: str = "grouped-count",
         concat: bool = True,
         feddyn: FedDynServer | None = None,
-        hop_step: float | str = DEFAULT_HOP_STEP,
+        hop_step: float | str = FEDCAT_HOP_STEP,
         hop_clip: float = DEFAULT_HOP_CLIP,
         check_parts: bool = True,
         fraction_evaluate: float = 0.0,
@@ -171,18 +181,46 @@ class FedCat(RelayStrategy):
         self._data_sizes = np.zeros(0, dtype=np.int64)
         self._selected: list[int] = []
         self._cycle_start: ArrayRecord | None = None  # θ_prev of FedDyn's step
-        # Transient within a round: the global model folded from the copies when K shrank.
+        # Transient within a round: the global model folded from the copies when K shrank, the
+        # nodes connected at its start, its settings, the copies to replace and the replies so far.
         self._folded: ArrayRecord | None = None
-        self._last_round: int | None = None
+        self._live: set[int] = set()
+        self._settings: dict[str, Any] = {}
+        self._replacing = False  # hop 0's misses were handled (the round's second hop, if any)
+        self._replacements: list[Request] = []
+        self._round_replies: list[RecordDict] = []
+
+    # ------------------------------------------------------------------ membership
+    def place(self, grid: Grid, nodes: list[int], why: str, server_round: int) -> dict[int, Any]:
+        """Before the first grouping every connected node is in the pool the groups are drawn
+        from; after it, a node that joins, or comes back without a group, joins the smallest."""
+        if not self._groups:
+            return {node: "pool" for node in nodes}
+        placed: dict[int, Any] = {}
+        for node in nodes:
+            current = [index for index, group in enumerate(self._groups) if node in group]
+            if not current:
+                current = [min(range(len(self._groups)), key=lambda i: (len(self._groups[i]), i))]
+                self._groups[current[0]].append(node)
+            placed[node] = {"group": current[0]}
+        if why != RETURNED and placed:
+            self.record("groups", [list(group) for group in self._groups])
+        return placed
 
     # ------------------------------------------------------------------ rounds
     def train_requests(
         self, server_round: int, hop: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> list[Request]:
-        """Hop 0: copy i to L_dev[(offset + i) % K]; a FedCat round has one hop."""
-        if hop > 0:
+        """Hop 0: copy i to L_dev[(offset + i) % K]; hop 1: the copies whose device gave no
+        usable reply, to replacement devices."""
+        if hop == 1:
+            requests, self._replacements = self._replacements, []
+            return requests
+        if hop > 1:
             return []
+        self._replacing, self._round_replies = False, []
         nodes = live_node_ids(grid)
+        self._live = set(nodes)
         if not nodes:
             log(WARNING, "FedCat: no connected nodes; round %s trains nothing", server_round)
             return []
@@ -203,55 +241,69 @@ class FedCat(RelayStrategy):
         self.record("offset", offset)
         self.record("selected", list(self._selected))
         self.record("copy_to_device", plan)
-        settings: dict[str, Any] = {**dict(config), "server-round": server_round}
+        self._settings = {**dict(config), "server-round": server_round}
         if self.feddyn is not None:
-            settings.update(self.feddyn.settings())
-        return [Request(node, train_content(self._copies[i], settings), tag=i) for i, node in enumerate(plan)]
+            self._settings.update(self.feddyn.settings())
+        return [Request(node, train_content(self._copies[i], self._settings), tag=i) for i, node in enumerate(plan)]
+
+    def _replacement_requests(self, misses: list[Miss]) -> list[Request]:
+        """Each copy lost in hop 0 to a replacement device (`core.fedcat.select_replacement`),
+        recorded under ``replacements``."""
+        k = self._require_k()
+        offset = cycle_offset(self._round_index, k)
+        taken = set(self._selected)
+        requests, record = [], []
+        for copy_index, lost in sorted((miss.request.tag, miss.request.node_id) for miss in misses):
+            if self.selection == "grouped-count":
+                pool = self._groups[(offset + copy_index) % k]
+            else:
+                pool = sorted(self._live)
+            candidates = [node for node in pool if node in self._live and node not in taken]
+            node = select_replacement(candidates, self._counts, offset, self.epsilon, self.rng)
+            record.append({"copy": copy_index, "lost": lost, "replacement": node})
+            if node is not None:
+                taken.add(node)
+                requests.append(Request(node, train_content(self._copies[copy_index], self._settings), tag=copy_index))
+        self.record("replacements", record)
+        return requests
 
     def aggregate_hop(
         self, server_round: int, hop: HopResult
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Valid replies replace their copy and add to its d_i; the copies are averaged after the
-        cycle's last round (every round without concatenation, and at the run's last round)."""
+        """Valid replies replace their copy and add to its d_i; after hop 0 the lost copies go
+        to replacement devices (a second hop); once the round's hops are done the copies are
+        averaged if the cycle ends (every round without concatenation, and at the run's last
+        round)."""
         # A copy that has not trained in this cycle still holds the averaged model: its hop is a first hop.
         firsts = [reply for reply in hop.replies if self._data_sizes[reply.request.tag] == 0]
         laters = [reply for reply in hop.replies if self._data_sizes[reply.request.tag] > 0]
-        for reply in self.chain.fold(firsts, first_hop=True) + self.chain.fold(laters, first_hop=False):
+        held = [float(self._data_sizes[reply.request.tag]) for reply in laters]
+        # A copy visits K devices a cycle; their sizes are not known ahead: each counts as this hop's.
+        k = self._require_k()
+        planned = lambda replies: [float(k * r.num_examples) for r in replies]  # noqa: E731
+        folded = self.chain.fold(firsts, first_hop=True, planned=planned(firsts))
+        folded += self.chain.fold(laters, first_hop=False, held=held, planned=planned(laters))
+        for reply in folded:
             self._copies[reply.request.tag] = reply.arrays
             self._data_sizes[reply.request.tag] += reply.num_examples
+        self._round_replies += [reply.content for reply in hop.replies]
+        if not self._replacing and hop.misses:
+            self._replacing = True
+            self._replacements = self._replacement_requests(hop.misses)
+            if self._replacements:
+                return None, None
         self.record("data_sizes", [int(d) for d in self._data_sizes])
         k = self._require_k()
         cycle_ends = cycle_offset(self._round_index, k) == k - 1 or not self.concat
         self._round_index += 1
         new_global, self._folded = self._folded, None
-        if cycle_ends or server_round == self._last_round:
+        if cycle_ends or server_round == self.last_round:
             if not cycle_ends:
                 log(INFO, "FedCat: last round inside a cycle; returning the average of the copies so far")
             averaged = self._average_copies(server_round, close_cycle=cycle_ends)
             new_global = new_global if averaged is None else averaged
-        metrics = (
-            aggregate_metricrecords([reply.content for reply in hop.replies], NUM_EXAMPLES_KEY)
-            if hop.replies
-            else None
-        )
+        metrics = aggregate_metricrecords(self._round_replies, NUM_EXAMPLES_KEY) if self._round_replies else None
         return new_global, metrics
-
-    # pylint: disable=too-many-arguments
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = DEFAULT_ROUND_TIMEOUT,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: EvaluateFn | None = None,
-    ) -> Result:
-        """`RelayStrategy.start`, remembering the last round so that a run whose length is not
-        a multiple of K still ends with a model that includes its last, unfinished cycle (the
-        copies themselves go on unchanged, so a resumed run is not affected)."""
-        self._last_round = num_rounds
-        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -345,9 +397,10 @@ class FedCat(RelayStrategy):
         if self._data_sizes.sum() <= 0:
             return None
         averaged = weighted_average(self._copies, [float(d) for d in self._data_sizes])
-        if not close_cycle:
-            return averaged
         assert self._cycle_start is not None
+        if not close_cycle:
+            self.chain.check_last(self._cycle_start, averaged, self.evaluate_on_server(server_round))
+            return averaged
         trained = [(copy, float(size)) for copy, size in zip(self._copies, self._data_sizes) if size > 0]
         if self.feddyn is not None:
             averaged = self.feddyn.step(self._cycle_start, [copy for copy, _ in trained], averaged, len(self._copies))
@@ -360,6 +413,7 @@ class FedCat(RelayStrategy):
                 [size for _, size in trained],
                 averaged,
                 self.evaluate_on_server(server_round),
+                last=server_round == self.last_round,
             ),
         )
         return averaged

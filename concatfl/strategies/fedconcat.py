@@ -6,7 +6,9 @@ Three stages, all driven by one `FedConcat` strategy:
    distribution (a ``"query.fedconcat_labels"`` message, optionally ε-DP); FedConcat-ID
    (`label_inference=True`) runs one round of ordinary training from the initial model instead
    and infers P^ID from each returned model on random inputs. K-means groups the distributions
-   (`core.clustering`).
+   (`core.clustering`). With `label_check` (the default) FedConcat also runs FedConcat-ID's
+   training round and checks every report against its node's P^ID (`core.clustering.agreement`):
+   a report that disagrees is not clustered on, and its node joins the cluster its P^ID fits.
 2. **Encoder rounds** (rounds 1 … T_e). K copies of the initial model, one per cluster, each
    trained by FedAvg over its own members; all clusters advance in the same round (one hop in
    which each node receives its cluster's model). Aggregation is weighted by num-examples.
@@ -41,7 +43,7 @@ from flwr.supercore import log
 from torch import nn
 
 from ..config import DEFAULT_ROUND_TIMEOUT
-from ..core.clustering import assign_clusters, infer_label_distribution
+from ..core.clustering import agreement, assign_clusters, infer_label_distribution, nearest_cluster, nearest_profile
 from ..core.concat import (
     CLASSIFIER_WEIGHT,
     DEFAULT_HEAD,
@@ -88,6 +90,7 @@ from .fedavg import sample_count
 from .feddyn import FedDynServer, from_config as feddyn_from_config
 from .fedconcat_stage1 import distribution_problem, label_requests, stage1_record
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
+from .membership import JOINED, NO_STAGE1_REPLY, RETURNED, START
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -111,6 +114,13 @@ REQUIREMENTS = (
 )
 # Random inputs on which the server checks the split of `make_model()` at the head.
 SPLIT_CHECK_SIZE = 2
+# A reported label distribution whose agreement with its node's P^ID is below this is not
+# believed. Measured on digits (10 clients, one local epoch, lr 0.01 and 0.05; #C=2, #C=3,
+# Dir(0.1), Dir(0.5), Dir(1)): honest reports scored 0.88–0.99, one-hot lies on a class the
+# client holds less than 20 % of at most 0.44 (docs/strategies.md).
+AGREEMENT_BOUND = 0.5
+HEAD_ONLY = "head"  # where a node that joins during the classifier rounds goes
+LABELS_DISAGREE = "its reported label distribution disagrees with its model"
 
 
 @dataclass
@@ -150,6 +160,16 @@ class FedConcat(RelayStrategy):
         The paper's balanced variant: no cluster above 1.2 × the average size.
     dp_epsilon : float (default: 0.0)
         > 0: clients add Laplace(0, 1/ε) noise to their label distributions (FedConcat only).
+    label_check : bool | None (default: None)
+        None: True when `make_model` and `input_shape` are given (as concatfl's ServerApp gives
+        them), else False (logged). FedConcat only: check every reported distribution p against
+        P^ID q of a model the node
+        trained one round from the initial model (stage 1 sends that round as FedConcat-ID
+        does: 2wN more bytes), by the agreement cos(p − p̄, q − q̄). Only reports with an
+        agreement of at least AGREEMENT_BOUND are clustered; a node whose report disagrees, or
+        who sent none, joins the cluster whose trusted members' P^ID its own is most like
+        (`core.clustering.nearest_profile`); recorded under ``label_check``. False is the
+        paper's algorithm (and cost) exactly.
     id_samples : int (default: 10000)
         Random inputs per model for FedConcat-ID's label inference.
     encoder_rounds : int (default: 10)
@@ -215,9 +235,18 @@ class FedConcat(RelayStrategy):
     Faults: a missing, failed or rejected reply is left out of its aggregation in every stage.
     A reported label distribution must be `num_classes` finite numbers, non-negative and summing
     to 1 (with ε-DP noise: finite and within the noise's range, `distribution_problem`); any
-    other is rejected. A node that gives no usable distribution in stage 1 joins the cluster
-    whose centre is nearest to the average reported distribution (so its data still trains an encoder and the
-    head); nodes that connect after stage 1 take no part. A node whose feature cache is gone
+    other is rejected, and a well-formed one that its node's own model contradicts is not
+    believed (`label_check`). A node that gives no usable distribution in stage 1 joins the
+    cluster its P^ID fits when it has one, else the cluster whose centre is nearest to the
+    average clustered distribution, so its data still trains an encoder and the head.
+
+    Nodes without a place (`RelayStrategy.place`, recorded under ``placements``): a node that
+    connects during the encoder rounds goes through stage 1 alone (its query and, with
+    `label_check` or FedConcat-ID, its training round from the initial model) at the start of
+    the round in which it is first seen and joins the cluster nearest to its distribution (by
+    the same rules, without re-clustering the others); one that connects during the classifier
+    rounds trains the head on its features like every node (``{"head": true}``). A returning
+    node keeps its cluster. A node whose feature cache is gone
     answers a classifier message with a cache miss; the server re-sends the encoders to it and
     then the classifier, within the same round (once per round).
     Classifier aggregation is the num-examples-weighted average of the returned heads (the
@@ -232,6 +261,7 @@ class FedConcat(RelayStrategy):
         num_clusters: int | None = 5,
         balanced: bool = False,
         dp_epsilon: float = 0.0,
+        label_check: bool | None = None,
         id_samples: int = 10_000,
         encoder_rounds: int = 10,
         classifier_rounds: int = 20,
@@ -268,6 +298,17 @@ class FedConcat(RelayStrategy):
             raise ValueError(f"head must name the model's last linear layer, e.g. 'fc3', got {head!r}")
         if label_inference and (make_model is None or input_shape is None):
             raise ValueError("label_inference needs make_model and input_shape (one input's shape, e.g. (64,))")
+        can_infer = make_model is not None and input_shape is not None
+        if label_check is None:
+            label_check = can_infer
+            if not can_infer and not label_inference:
+                log(INFO, "FedConcat: reported label distributions are not checked (label_check needs make_model and "
+                    "input_shape)")
+        if label_check and not label_inference and not can_infer:
+            raise ValueError(
+                "label_check needs make_model and input_shape (one input's shape, e.g. (64,)) to infer each "
+                "node's label distribution from its model; pass them, or label_check=False"
+            )
         if evaluate_model is not None and make_model is None:
             raise ValueError("evaluate_model needs make_model")
         if output_path is not None and (not model_name or input_shape is None):
@@ -276,6 +317,7 @@ class FedConcat(RelayStrategy):
         self.num_clusters = num_clusters
         self.balanced = balanced
         self.dp_epsilon = dp_epsilon
+        self.label_check = label_check
         self.id_samples = id_samples
         self.encoder_rounds = encoder_rounds
         self.classifier_rounds = classifier_rounds
@@ -294,6 +336,7 @@ class FedConcat(RelayStrategy):
         self.output_path = None if output_path is None else Path(output_path)
         # Stage state (all of it in state_dict()).
         self.assignment: dict[int, int] = {}
+        self.head_nodes: set[int] = set()  # joined during the classifier rounds: they train the head only
         self.cluster_models: list[ArrayRecord] = []
         self.cluster_updates: list[int] = []  # stage-2 aggregations per cluster
         self.cluster_feddyn: list[FedDynServer] = []  # FedDyn's h of each cluster
@@ -306,6 +349,14 @@ class FedConcat(RelayStrategy):
         self._hop_kind = ""
         self._round_bytes: dict[str, dict[str, int]] = {}
         self._classifier_round: _ClassifierRound | None = None
+        # What placing a node after stage 1 needs (in state_dict()): the initial model, the
+        # clusters' centres (in the clustered space), their trusted members' P^ID profiles, the
+        # means the agreement is measured around, and the cluster nearest to the average.
+        self._initial: ArrayRecord | None = None
+        self._centres = np.zeros((0, 0))
+        self._profiles: dict[int, np.ndarray] = {}
+        self._means: tuple[np.ndarray, np.ndarray] | None = None
+        self._fallback = 0
 
     @property
     def num_rounds(self) -> int:
@@ -318,26 +369,40 @@ class FedConcat(RelayStrategy):
 
     # ------------------------------------------------------------------ stage 1
     def setup(self, grid: Grid, initial_arrays: ArrayRecord, train_config: ConfigRecord) -> None:
-        """Stage 1: collect (or infer) label distributions and cluster the nodes."""
+        """Stage 1: collect (or infer) label distributions, check the reports, cluster the nodes."""
         nodes = live_node_ids(grid)
-        num_classes, _ = check_head(_shapes(initial_arrays), self.head)
+        self._initial, self._train_config = initial_arrays, train_config
+        reported, inferred, hops = self._stage1(grid, nodes, placing=False)
+        agreements: dict[int, float] = {}
         if self.label_inference:
-            distributions, hop = self._infer_distributions(grid, nodes, initial_arrays, train_config)
+            clustered = inferred
+        elif self._checks_labels and reported and inferred:
+            self._means = (np.mean(list(reported.values()), axis=0), np.mean(list(inferred.values()), axis=0))
+            agreements = {node: agreement(reported[node], inferred[node], *self._means) for node in reported if node in inferred}
+            clustered = {node: p for node, p in reported.items() if agreements.get(node, 1.0) >= AGREEMENT_BOUND}
         else:
-            distributions, hop = self._query_distributions(grid, nodes, num_classes)
-        if not distributions:
-            raise RuntimeError(f"stage 1: none of the {len(nodes)} nodes gave a label distribution")
+            clustered = reported
+        if not clustered:
+            raise RuntimeError(f"stage 1: none of the {len(nodes)} nodes gave a label distribution to cluster on")
         stage1 = assign_clusters(
-            distributions, nodes, self.num_clusters, balanced=self.balanced, seed=int(self.rng.integers(2**31))
+            clustered, sorted(clustered), self.num_clusters, balanced=self.balanced, seed=int(self.rng.integers(2**31))
         )
-        self.assignment, clustering = stage1.assignment, stage1.clustering
-        if stage1.unreported:
-            log(
-                WARNING,
-                "Stage 1: nodes %s gave no distribution; they join cluster %d (nearest to the mean)",
-                stage1.unreported,
-                stage1.fallback,
-            )
+        self.assignment, clustering = dict(stage1.assignment), stage1.clustering
+        self._centres = clustering.centres
+        self._fallback = nearest_cluster(np.mean(list(clustered.values()), axis=0), clustering.centres)
+        if self._means is not None:
+            self._profiles = self._inferred_profiles(inferred)
+        placements: list[dict[str, Any]] = []
+        for node, cluster in self.assignment.items():
+            self.settle(node, {"cluster": cluster}, START)
+        for node in (node for node in nodes if node not in clustered):
+            cluster, how = self._cluster_of(reported.get(node), inferred.get(node))
+            self.assignment[node] = cluster
+            why = LABELS_DISAGREE if node in agreements else NO_STAGE1_REPLY
+            self.settle(node, {"cluster": cluster, "by": how}, why, placements)
+        if placements:
+            log(WARNING, "Stage 1: nodes placed without a trusted distribution (node: cluster, by) %s",
+                {entry["node"]: (entry["where"]["cluster"], entry["where"]["by"]) for entry in placements})
         if clustering.k < clustering.requested:
             log(
                 WARNING,
@@ -355,15 +420,45 @@ class FedConcat(RelayStrategy):
             log(INFO, "Stage 1: cluster %d has %d nodes %s", cluster, len(self.members(cluster)), self.members(cluster))
         self.setup_record = {
             "variant": "fedconcat-id" if self.label_inference else "fedconcat",
-            **stage1_record(hop, stage1, self.assignment, distributions),
+            **stage1_record(hops, clustering, self.assignment, reported if not self.label_inference else inferred),
+            "unreported_nodes": [node for node in nodes if node not in (inferred if self.label_inference else reported)],
             "balanced": self.balanced,
+            "placements": placements,
         }
+        if self._means is not None:
+            self.setup_record["label_check"] = {
+                "bound": AGREEMENT_BOUND,
+                "agreement": {str(node): round(value, 4) for node, value in sorted(agreements.items())},
+                "disagreeing": sorted(node for node, value in agreements.items() if value < AGREEMENT_BOUND),
+                "unchecked": sorted(node for node in reported if node not in inferred),
+                "inferred": {str(node): [round(float(q), 6) for q in inferred[node]] for node in sorted(inferred)},
+            }
 
-    def _query_distributions(
-        self, grid: Grid, nodes: list[int], num_classes: int
-    ) -> tuple[dict[int, np.ndarray], HopResult]:
-        """Stage 1-A: ask every node for its (possibly noised) label distribution."""
-        hop = self.hop(grid, label_requests(nodes, self.dp_epsilon))
+    @property
+    def _checks_labels(self) -> bool:
+        """Whether reported distributions are checked against the nodes' own models."""
+        return self.label_check and not self.label_inference
+
+    def _stage1(
+        self, grid: Grid, nodes: list[int], placing: bool
+    ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray], list[HopResult]]:
+        """Stage 1 for `nodes`: their reported distributions (FedConcat), their P^ID (FedConcat-ID,
+        or FedConcat with the label check), and the hops that got them."""
+        reported: dict[int, np.ndarray] = {}
+        hops = []
+        if not self.label_inference:
+            query = self.hop(grid, label_requests(nodes, self.dp_epsilon), placing=placing)
+            reported = self._read_distributions(query)
+            hops.append(query)
+        inferred: dict[int, np.ndarray] = {}
+        if self.label_inference or self.label_check:
+            training, inferred = self._infer_distributions(grid, nodes, placing)
+            hops.append(training)
+        return reported, inferred, hops
+
+    def _read_distributions(self, hop: HopResult) -> dict[int, np.ndarray]:
+        """The usable distributions of a label query's replies (the others are rejected)."""
+        num_classes, _ = check_head(_shapes(self._initial), self.head)
         distributions = {}
         for reply in list(hop.replies):
             values = reply.metrics.get(LABEL_DISTRIBUTION)
@@ -372,27 +467,26 @@ class FedConcat(RelayStrategy):
                 self.reject(hop, reply, f"stage 1 '{LABEL_DISTRIBUTION}' {problem}")
                 continue
             distributions[reply.node_id] = np.asarray(values, dtype=np.float64)
-        return distributions, hop
+        return distributions
 
-    def _infer_distributions(
-        self, grid: Grid, nodes: list[int], initial_arrays: ArrayRecord, train_config: ConfigRecord
-    ) -> tuple[dict[int, np.ndarray], HopResult]:
-        """Stage 1-B: one round of ordinary training, then P^ID of every returned model.
+    def _infer_distributions(self, grid: Grid, nodes: list[int], placing: bool) -> tuple[HopResult, dict[int, np.ndarray]]:
+        """Stage 1-B: one round of ordinary training from the initial model, then P^ID of every
+        returned model (bounded first, as every reply is).
 
-        Every model sees the same random inputs (one seed for the stage), so differences in
-        P^ID come from the models alone.
+        Every model sees the same random inputs (one seed for the run), so differences in
+        P^ID come from the models alone, also between stage 1 and nodes placed later.
         """
-        assert self.make_model is not None and self.input_shape is not None
-        settings = {**dict(train_config), "server-round": 0}
+        assert self.make_model is not None and self.input_shape is not None and self._initial is not None
+        settings = {**dict(self._train_config), "server-round": 0}
         if self.feddyn is not None:
             settings["local-objective"] = "sgd"
         hop = self.hop(
             grid,
-            [Request(node, train_content(initial_arrays, settings), tag="label-inference") for node in nodes],
+            [Request(node, train_content(self._initial, settings), tag="label-inference") for node in nodes],
+            placing=placing,
         )
-        seed = int(self.rng.integers(2**63))
         distributions = {}
-        for reply in self.guard.bound(hop.replies):
+        for reply in self.guard.bound(hop.replies, stream="label-inference"):
             model = self.make_model()
             model.load_state_dict(reply.arrays.to_torch_state_dict())
             distributions[reply.node_id] = infer_label_distribution(
@@ -400,10 +494,57 @@ class FedConcat(RelayStrategy):
                 self.id_samples,
                 self.input_shape,
                 self.normalization,
-                torch.Generator().manual_seed(seed),
+                torch.Generator().manual_seed(self.seed),
                 self.device,
             )
-        return distributions, hop
+        return hop, distributions
+
+    def _inferred_profiles(self, inferred: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Per cluster, the mean centred P^ID of its (trusted) members that have one."""
+        assert self._means is not None
+        profiles = {}
+        for cluster in sorted(set(self.assignment.values())):
+            rows = [inferred[node] - self._means[1] for node in self.members(cluster) if node in inferred]
+            if rows:
+                profiles[cluster] = np.mean(rows, axis=0)
+        return profiles
+
+    def _cluster_of(self, reported: np.ndarray | None, inferred: np.ndarray | None) -> tuple[int, str]:
+        """(cluster, how it was chosen) for a node clustered after the others: by its report when
+        it is believed, else by its P^ID, else the cluster nearest to the average."""
+        if self.label_inference:
+            if inferred is not None:
+                return nearest_cluster(inferred, self._centres), "inferred"
+            return self._fallback, "nearest to the mean"
+        believed = reported is not None and (
+            inferred is None or self._means is None or agreement(reported, inferred, *self._means) >= AGREEMENT_BOUND
+        )
+        if believed:
+            assert reported is not None
+            checked = inferred is not None and self._means is not None
+            return nearest_cluster(reported, self._centres), "reported" if checked else "reported, unchecked"
+        if inferred is not None and self._profiles:
+            assert self._means is not None
+            return nearest_profile(inferred, self._means[1], self._profiles), "inferred"
+        return self._fallback, "nearest to the mean"
+
+    # ------------------------------------------------------------------ membership
+    def place(self, grid: Grid, nodes: list[int], why: str, server_round: int) -> dict[int, Any]:
+        """A returning node keeps its place; a node that joins during the encoder rounds goes
+        through stage 1 alone and joins the cluster its distribution fits (`_cluster_of`); one
+        that joins during the classifier rounds trains the head."""
+        if why == RETURNED:
+            return {node: self.membership.places[node] for node in nodes}
+        if self.encoders is not None or server_round > self.encoder_rounds:
+            self.head_nodes.update(nodes)
+            return {node: {HEAD_ONLY: True} for node in nodes}
+        reported, inferred, _ = self._stage1(grid, nodes, placing=True)
+        placed: dict[int, Any] = {}
+        for node in nodes:
+            cluster, how = self._cluster_of(reported.get(node), inferred.get(node))
+            self.assignment[node] = cluster
+            placed[node] = {"cluster": cluster, "by": how}
+        return placed
 
     def members(self, cluster: int) -> list[int]:
         """Nodes of `cluster`, ascending."""
@@ -455,7 +596,7 @@ class FedConcat(RelayStrategy):
             self._concatenate()
         assert self.classifier is not None
         live = set(live_node_ids(grid))
-        chosen = self._sample([node for node in sorted(self.assignment) if node in live])
+        chosen = self._sample([node for node in sorted(self.assignment.keys() | self.head_nodes) if node in live])
         self._classifier_round = _ClassifierRound(chosen, self.classifier)
         self.record("stage_round", server_round - self.encoder_rounds)
         self.record("selected", chosen)
@@ -712,6 +853,12 @@ class FedConcat(RelayStrategy):
         state = super().state_dict()
         state["fedconcat"] = {
             "assignment": dict(self.assignment),
+            "head_nodes": sorted(self.head_nodes),
+            "initial": None if self._initial is None else to_numpy(self._initial),
+            "centres": self._centres.copy(),
+            "profiles": {cluster: profile.copy() for cluster, profile in self._profiles.items()},
+            "means": None if self._means is None else [mean.copy() for mean in self._means],
+            "fallback": self._fallback,
             "cluster_models": [to_numpy(model) for model in self.cluster_models],
             "cluster_updates": list(self.cluster_updates),
             "cluster_feddyn": [server.state_dict() for server in self.cluster_feddyn],
@@ -728,6 +875,12 @@ class FedConcat(RelayStrategy):
         super().load_state_dict(state)
         saved = state["fedconcat"]
         self.assignment = {int(node): int(cluster) for node, cluster in saved["assignment"].items()}
+        self.head_nodes = {int(node) for node in saved["head_nodes"]}
+        self._initial = None if saved["initial"] is None else to_record(saved["initial"])
+        self._centres = np.asarray(saved["centres"], dtype=np.float64)
+        self._profiles = {int(cluster): np.asarray(profile, dtype=np.float64) for cluster, profile in saved["profiles"].items()}
+        self._means = None if saved["means"] is None else (np.asarray(saved["means"][0]), np.asarray(saved["means"][1]))
+        self._fallback = int(saved["fallback"])
         self.cluster_models = [to_record(arrays) for arrays in saved["cluster_models"]]
         self.cluster_updates = list(saved["cluster_updates"])
         if self.feddyn is not None:
@@ -754,6 +907,7 @@ def build(config: RunConfig, env: ServerEnv) -> FedConcat:
         num_clusters=config.fedconcat_num_clusters,
         balanced=config.fedconcat_balanced,
         dp_epsilon=config.fedconcat_dp_epsilon,
+        label_check=config.fedconcat_label_check,
         id_samples=config.fedconcat_id_samples,
         encoder_rounds=config.fedconcat_encoder_rounds,
         classifier_rounds=config.fedconcat_classifier_rounds,

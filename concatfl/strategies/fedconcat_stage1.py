@@ -3,13 +3,13 @@ back, and the record of the clusters it made (metrics.json's `setup`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, RecordDict
 
-from ..core.clustering import NodeClusters
+from ..core.clustering import Clustering
 from ..protocol import DP_EPSILON, LABELS_MESSAGE_TYPE
 from .common import CONFIG_KEY, HopResult, Request
 
@@ -59,23 +59,22 @@ def distribution_problem(values: Any, num_classes: int, dp_epsilon: float) -> st
 
 
 def stage1_record(
-    hop: HopResult, stage1: NodeClusters, assignment: Mapping[int, int], distributions: Mapping[int, np.ndarray]
+    hops: Sequence[HopResult], clustering: Clustering, assignment: Mapping[int, int], distributions: Mapping[int, np.ndarray]
 ) -> dict[str, Any]:
-    """What stage 1 did, JSON-ready: its hop, the clusters (members, centres), the distributions."""
-    clustering = stage1.clustering
+    """What stage 1 did, JSON-ready: its hops, the clusters (members, centres), the distributions
+    clustered on."""
     clusters = []
     for cluster in range(clustering.k):
         members = sorted(node for node, assigned in assignment.items() if assigned == cluster)
         centre = [round(float(p), 6) for p in clustering.centres[cluster]]
         clusters.append({"cluster": cluster, "members": members, "size": len(members), "centre": centre})
     return {
-        "stage1": hop.as_record(),
-        "bytes_sent": hop.bytes_sent,
-        "bytes_received": hop.bytes_received,
+        "stage1": [hop.as_record() for hop in hops],
+        "bytes_sent": sum(hop.bytes_sent for hop in hops),
+        "bytes_received": sum(hop.bytes_received for hop in hops),
         "k_requested": clustering.requested,
         "k": clustering.k,
         "elbow_inertias": list(clustering.inertias),
         "clusters": clusters,
-        "unreported_nodes": stage1.unreported,
         "distributions": {str(node): [round(float(p), 6) for p in distributions[node]] for node in sorted(distributions)},
     }

@@ -45,7 +45,8 @@ from .common import (
 from .fedavg import sample_count
 from .feddyn import FedDynServer, from_config as feddyn_from_config
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
-from .sequential import DEFAULT_HOP_CLIP, DEFAULT_HOP_STEP, ChainGuard
+from .membership import JOINED, NO_STAGE1_REPLY, RETURNED, START
+from .sequential import DEFAULT_HOP_CLIP, FEDSEQ_HOP_STEP, ChainGuard
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -66,6 +67,7 @@ class _Chain:
     weight: int  # |D_S|
     slot: int | None = None
     trained: int = 0
+    examples: int = 0  # folded into `model` so far (the running mean's weight)
     missed: list[int] = field(default_factory=list)
 
 
@@ -79,10 +81,19 @@ class FedSeq(RelayStrategy):
     (no reply, error, invalid reply) is skipped: the model it was given goes on to the next
     client. A node that left the grid is dropped from its superclient before the next round
     (a superclient left empty disappears) and rejoins it in the first round it is connected
-    again. A client whose pre-training reply is missing or rejected has no approximation: it
-    joins the superclient with the fewest samples (its size counted as the median client's), so
-    its data still trains the model (recorded as ``placed_unapproximated``).
-    Clients that join after stage 1 are not used.
+    again.
+
+    Nodes without a place (`RelayStrategy.place`, recorded under ``placements``): a node that
+    connects after stage 1 pre-trains the initial model as stage 1 would have had it do, at the
+    start of the round in which it is first seen, and joins the superclient its approximation
+    fits (`core.superclients.fitting_superclient`: among those with fewer than `max_clients`
+    members, the one whose estimated distribution lacks its classes most; with
+    `approximator='clf'`, whose PCA was fitted on stage 1's clients, the one with the fewest
+    samples). A node whose pre-training reply is missing or rejected (in stage 1 or when it
+    joins) has no approximation and joins the superclient with the fewest samples, its size
+    counted as the median client's, so its data still trains the model. When every superclient
+    is full, a newcomer starts a superclient of its own. The superclients formed in stage 1 are
+    not regrouped: their chains keep their order of diversity.
 
     Parameters
     ----------
@@ -182,7 +193,7 @@ class FedSeq(RelayStrategy):
         proximal_mu: float = 0.0,
         feddyn: FedDynServer | None = None,
         report_label_counts: bool = False,
-        hop_step: float | str = DEFAULT_HOP_STEP,
+        hop_step: float | str = FEDSEQ_HOP_STEP,
         hop_clip: float = DEFAULT_HOP_CLIP,
         check_parts: bool = True,
         fraction_evaluate: float = 0.0,
@@ -239,9 +250,12 @@ class FedSeq(RelayStrategy):
         self.report_label_counts = report_label_counts
         keys = ("fedseq-hop-step", "fedseq-hop-clip")
         self.chain = ChainGuard(type(self).__name__, self.guard, hop_step, hop_clip, keys, check_parts)
-        self.plan: dict[int, list[int]] = {}  # the superclients as stage 1 built them
+        self.plan: dict[int, list[int]] = {}  # the superclients: stage 1's, with the nodes placed since
         self.superclients: dict[int, list[int]] = {}  # this round's: the plan's connected members
         self.client_samples: dict[int, int] = {}
+        # Per superclient, Σ n_j·D̃_j over the members with an approximation (ψ = conf): D_S up to scale.
+        self.estimates: dict[int, np.ndarray] = {}
+        self._initial: ArrayRecord | None = None  # what pre-training starts from (stage 1 and newcomers)
         self._make_model = make_model
         self._normalization = normalization if normalization is not None else _identity
         self._device = torch.device(device)
@@ -259,17 +273,9 @@ class FedSeq(RelayStrategy):
     # ------------------------------------------------------------------ stage 1
     def setup(self, grid: Grid, initial_arrays: ArrayRecord, train_config: ConfigRecord) -> None:
         """Pre-train on every connected client, approximate ψ, group, and report."""
-        settings = {
-            **dict(train_config),
-            "server-round": 0,
-            "local-epochs": self.pretrain_epochs,
-            "proximal-mu": 0.0,
-            "local-objective": "sgd",
-        }
         nodes = live_node_ids(grid)
-        requests = [Request(node, train_content(initial_arrays, settings), tag="pretrain") for node in nodes]
-        pretraining = self.hop(grid, requests)
-        replies = sorted(self.guard.bound(pretraining.replies, stream="pretrain"), key=lambda reply: reply.node_id)
+        self._initial, self._train_config = initial_arrays, train_config
+        pretraining, replies = self._pretrain(grid, nodes, placing=False)
         if not replies:
             raise RuntimeError(f"FedSeq pre-training: none of the {len(nodes)} nodes returned a usable model")
         node_ids = [reply.node_id for reply in replies]
@@ -289,7 +295,15 @@ class FedSeq(RelayStrategy):
         reported_epochs, differing_epochs = self._reported_pretrain_epochs(replies)
         self.client_samples = dict(zip(node_ids, sizes))
         self.plan = {sid: [node_ids[c] for c in group] for sid, group in enumerate(groups)}
-        unapproximated = self._place_unapproximated(sorted(miss.request.node_id for miss in pretraining.misses))
+        placements: list[dict[str, Any]] = []
+        for sid, group in enumerate(groups):
+            if self.approximator == "conf":
+                self.estimates[sid] = sum(sizes[c] * vectors[c] for c in group)
+            for c in group:
+                self.settle(node_ids[c], {"superclient": sid}, START)
+        left_out = sorted(miss.request.node_id for miss in pretraining.misses)
+        for node, where in self._place_unapproximated(left_out).items():
+            self.settle(node, where, NO_STAGE1_REPLY, placements)
         self.superclients = {sid: list(members) for sid, members in self.plan.items()}
         hops = [pretraining]
         report = self._grouping_report(groups, node_ids, sizes, vectors)
@@ -303,8 +317,8 @@ class FedSeq(RelayStrategy):
             "bytes_received": sum(hop.bytes_received for hop in hops),
             "seconds": round(sum(hop.seconds for hop in hops), 4),
             "clients": len(node_ids),
-            "left_out": sorted(miss.request.node_id for miss in pretraining.misses),
-            "placed_unapproximated": unapproximated,
+            "left_out": left_out,
+            "placements": placements,
             "pretrain_epochs": self.pretrain_epochs,
             "pretrain_epochs_reported": reported_epochs,
             "pretrain_epochs_differ": differing_epochs,
@@ -319,19 +333,69 @@ class FedSeq(RelayStrategy):
         }
         _log_report(self.setup_record)
 
-    def _place_unapproximated(self, nodes: list[int]) -> dict[str, int]:
-        """Put each node without a pre-trained model into the superclient with the fewest samples
-        (its own count taken as the median client's); returns node → superclient."""
+    # ------------------------------------------------------------------ membership
+    def place(self, grid: Grid, nodes: list[int], why: str, server_round: int) -> dict[int, Any]:
+        """A returning node keeps its superclient; a newcomer pre-trains the initial model and
+        joins the superclient its approximation fits; one without a usable pre-training reply
+        joins the superclient with the fewest samples (see the class docstring)."""
+        if why == RETURNED:
+            return {node: self.membership.places[node] for node in nodes}
+        if why != JOINED:
+            return self._place_unapproximated(nodes)
+        hop, replies = self._pretrain(grid, nodes, placing=True)
+        placed: dict[int, Any] = {}
+        if replies:
+            vectors = self._approximate([reply.arrays for reply in replies])[0] if self.approximator == "conf" else None
+            for index, reply in enumerate(replies):
+                vector = None if vectors is None else vectors[index]
+                placed[reply.node_id] = self._join(reply.node_id, reply.num_examples, vector)
+        placed.update(self._place_unapproximated(sorted(miss.request.node_id for miss in hop.misses)))
+        return placed
+
+    def _pretrain(self, grid: Grid, nodes: list[int], placing: bool) -> tuple[HopResult, list[Reply]]:
+        """Stage 1's pre-training of `nodes` from the initial model: the hop and its bounded
+        replies in node order (the sample counts are bounded too: they weigh the superclients)."""
+        assert self._initial is not None
+        settings = {
+            **dict(self._train_config),
+            "server-round": 0,
+            "local-epochs": self.pretrain_epochs,
+            "proximal-mu": 0.0,
+            "local-objective": "sgd",
+        }
+        requests = [Request(node, train_content(self._initial, settings), tag="pretrain") for node in nodes]
+        hop = self.hop(grid, requests, placing=placing)
+        return hop, sorted(self.guard.bound(hop.replies, stream="pretrain"), key=lambda reply: reply.node_id)
+
+    def _join(self, node: int, samples: int, vector: np.ndarray | None) -> dict[str, int]:
+        """Add `node` (with `samples` samples and approximation `vector`, or None) to the
+        superclient it fits, or to a new one when all are full; returns its place."""
+        sid = sc.fitting_superclient(
+            vector,
+            {sid: self.estimates.get(sid) for sid in self.plan},
+            {sid: sum(self.client_samples[n] for n in members) for sid, members in self.plan.items()},
+            {sid: len(members) for sid, members in self.plan.items()},
+            self.metric,
+            self.max_clients,
+        )
+        if sid is None:
+            sid = max(self.plan, default=-1) + 1
+            self.plan[sid] = []
+        self.plan[sid].append(node)
+        self.client_samples[node] = samples
+        if vector is not None:
+            self.estimates[sid] = self.estimates.get(sid, 0.0) + samples * vector
+        return {"superclient": sid}
+
+    def _place_unapproximated(self, nodes: list[int]) -> dict[int, Any]:
+        """Each node without a pre-trained model joins the superclient with the fewest samples
+        among those with room (its own count taken as the median client's)."""
         typical = int(np.median(list(self.client_samples.values())))
-        placed = {}
-        for node in nodes:
-            smallest = min(self.plan, key=lambda sid: (sum(self.client_samples[n] for n in self.plan[sid]), sid))
-            self.plan[smallest].append(node)
-            self.client_samples[node] = typical
-            placed[str(node)] = smallest
+        placed = {node: self._join(node, typical, None) for node in nodes}
         if placed:
-            log(WARNING, "FedSeq: nodes %s gave no usable pre-trained model; they join the smallest superclients "
-                "(node: superclient) %s without an approximation", nodes, placed)
+            log(WARNING, "FedSeq: nodes %s gave no usable pre-trained model; they join superclients "
+                "(node: superclient) %s without an approximation", nodes,
+                {node: where["superclient"] for node, where in placed.items()})
         return placed
 
     def _reported_pretrain_epochs(self, replies: list[Reply]) -> tuple[dict[int, float], list[int]]:
@@ -461,10 +525,16 @@ class FedSeq(RelayStrategy):
         chains = {chain.superclient: chain for chain in self._chains}
         firsts = [reply for reply in hop.replies if chains[reply.request.tag].trained == 0]
         laters = [reply for reply in hop.replies if chains[reply.request.tag].trained > 0]
-        for reply in self.chain.fold(firsts, first_hop=True) + self.chain.fold(laters, first_hop=False):
+        held = [float(chains[reply.request.tag].examples) for reply in laters]
+        # A chain passes its superclient's data E_S times: that is what its hops fold in all.
+        planned = lambda replies: [float(chains[r.request.tag].weight * self.superclient_epochs) for r in replies]  # noqa: E731
+        folded = self.chain.fold(firsts, first_hop=True, planned=planned(firsts))
+        folded += self.chain.fold(laters, first_hop=False, held=held, planned=planned(laters))
+        for reply in folded:
             chain = chains[reply.request.tag]
             chain.model = reply.arrays
             chain.trained += 1
+            chain.examples += reply.num_examples
             self._round_metrics.append(RecordDict({METRICS_KEY: reply.metrics}))
         for miss in hop.misses:
             # The chain keeps the model the missing client was given: the next client gets it.
@@ -527,7 +597,8 @@ class FedSeq(RelayStrategy):
     ) -> None:
         """Record (``divergence``) how far the averaged superclient models ended apart."""
         evaluate = self.evaluate_on_server(server_round)
-        self.record("divergence", self.chain.check(start, models, weights, average, evaluate))
+        last = server_round == self.last_round
+        self.record("divergence", self.chain.check(start, models, weights, average, evaluate, last))
 
     def _feddyn_step(
         self, previous: ArrayRecord, models: list[ArrayRecord], average: ArrayRecord, num_clients: int
@@ -543,14 +614,8 @@ class FedSeq(RelayStrategy):
         """This round's superclients: the plan's connected members. A node that left is dropped
         from its superclient (an emptied superclient disappears) and rejoins it when it is back."""
         current = {sid: [node for node in members if node in live] for sid, members in self.plan.items()}
-        for sid in sorted(self.plan):
-            before, now = self.superclients.get(sid, []), current[sid]
-            if gone := [node for node in before if node not in now]:
-                log(WARNING, "FedSeq: nodes %s left; dropped from superclient %s", gone, sid)
-            if back := [node for node in now if node not in before]:
-                log(INFO, "FedSeq: nodes %s are back in superclient %s", back, sid)
-            if before and not now:
-                log(WARNING, "FedSeq: superclient %s is empty and disappears", sid)
+        if emptied := [sid for sid in sorted(self.plan) if self.superclients.get(sid) and not current[sid]]:
+            log(WARNING, "FedSeq: superclients %s have no connected member left; they sit out until one is back", emptied)
         self.superclients = {sid: members for sid, members in current.items() if members}
 
     # ------------------------------------------------------------------ state
@@ -561,6 +626,8 @@ class FedSeq(RelayStrategy):
             "plan": {sid: list(nodes) for sid, nodes in self.plan.items()},
             "superclients": {sid: list(nodes) for sid, nodes in self.superclients.items()},
             "client_samples": dict(self.client_samples),
+            "estimates": {sid: estimate.copy() for sid, estimate in self.estimates.items()},
+            "initial": None if self._initial is None else to_numpy(self._initial),
             "exemplars": self._exemplars.copy(),
             "chain": self.chain.state_dict(),
             **({"feddyn": self.feddyn.state_dict()} if self.feddyn is not None else {}),
@@ -572,6 +639,8 @@ class FedSeq(RelayStrategy):
         self.plan = {int(sid): list(nodes) for sid, nodes in state["plan"].items()}
         self.superclients = {int(sid): list(nodes) for sid, nodes in state["superclients"].items()}
         self.client_samples = {int(node): int(n) for node, n in state["client_samples"].items()}
+        self.estimates = {int(sid): np.asarray(estimate, dtype=np.float64) for sid, estimate in state["estimates"].items()}
+        self._initial = None if state["initial"] is None else to_record(state["initial"])
         self._exemplars = np.asarray(state["exemplars"], dtype=np.int64)
         self.chain.load_state_dict(state["chain"])
         if self.feddyn is not None:
@@ -643,6 +712,9 @@ class FedSeqInter(FedSeq):
             self._slots = [average] * len(self._slots)
             self.slot_samples = [0.0] * len(self._slots)
             self.rounds_since_average = 0
+        elif server_round == self.last_round:  # the run ends between two averages: warn if it never learned
+            assert self._slot_start is not None
+            self.chain.check_last(self._slot_start, average, self.evaluate_on_server(server_round))
         return average
 
     def state_dict(self) -> dict[str, Any]:

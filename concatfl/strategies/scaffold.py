@@ -10,6 +10,13 @@ and N the connected nodes:
     x ← x + η_g·(1/|S|)·Σ_{i∈S} Δy_i        c ← c + (1/N)·Σ_{i∈S} Δc_i
 
 Both directions carry two model-sized records, so a round costs about twice FedAvg's bytes.
+
+c = (1/N)·Σ c_i holds only while every client's c_i moves exactly when the server adds its
+Δc_i. A reply can be lost on the way, come too late or be rejected after the client moved its
+c_i; the paper assumes every reply arrives. So the server remembers, per node, the round of the
+last reply it took and the share of Δc_i its bound let in, and tells the node both in its next
+message (``config["scaffold-taken-round"]``, ``["scaffold-taken-share"]``); the client commits
+its pending Δc_i only then (`concatfl.objectives.commit_scaffold_control`).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from ..objectives import CONTROL_KEY
+from ..objectives import CONTROL_KEY, SCAFFOLD_TAKEN_ROUND, SCAFFOLD_TAKEN_SHARE
 from .base import RelayStrategy
 from .aggregation import Aggregation, as_aggregation, from_config as aggregation_from_config
 from .common import (
@@ -80,7 +87,8 @@ class Scaffold(RelayStrategy):
 
     Replies are validated like every strategy's (``"arrays"``, the model delta, must match the
     model's keys, shapes and dtypes and be finite; ``num-examples`` > 0), and ``"control"`` must
-    match c the same way; a reply failing either is a logged miss. Both deltas are bounded
+    match c the same way; a reply failing either is a logged miss, and its client's c_i does
+    not move (see the module docstring). Both deltas are bounded
     (`update_clip`: Δy against the recent Δy, Δc against the recent Δc). The mean of the model
     deltas is unweighted, as in the paper; a robust `aggregation` replaces it.
 
@@ -126,6 +134,7 @@ class Scaffold(RelayStrategy):
         self.control_keys = None if control_keys is None else list(control_keys)
         self.aggregation = as_aggregation(aggregation)
         self.control: ArrayRecord | None = None  # c, created from the first model sent
+        self.taken: dict[int, tuple[int, float]] = {}  # node -> (round, share of Δc_i) of its last reply taken
         self._sent: ArrayRecord | None = None
         self._num_nodes = 0
 
@@ -149,7 +158,8 @@ class Scaffold(RelayStrategy):
         }
         requests = []
         for node in chosen:
-            content = train_content(arrays, settings)
+            taken_round, share = self.taken.get(node, (0, 1.0))
+            content = train_content(arrays, {**settings, SCAFFOLD_TAKEN_ROUND: taken_round, SCAFFOLD_TAKEN_SHARE: share})
             content[CONTROL_KEY] = self.control
             requests.append(Request(node, content))
         return requests
@@ -177,17 +187,23 @@ class Scaffold(RelayStrategy):
             self._num_nodes,
         )
         self.control = to_record(control)
+        self.taken.update({reply.node_id: (server_round, reply.share) for reply in replies})
         metrics = aggregate_metricrecords([reply.content for reply in replies], NUM_EXAMPLES_KEY)
         return to_record(model), metrics
 
     def state_dict(self) -> dict[str, Any]:
         """Base state plus c."""
-        return {**super().state_dict(), "control": None if self.control is None else to_numpy(self.control)}
+        return {
+            **super().state_dict(),
+            "control": None if self.control is None else to_numpy(self.control),
+            "taken": {str(node): list(taken) for node, taken in self.taken.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
         super().load_state_dict(state)
         self.control = None if state["control"] is None else to_record(state["control"])
+        self.taken = {int(node): (int(taken[0]), float(taken[1])) for node, taken in state["taken"].items()}
 
 
 def control_problem(content: RecordDict, control: ArrayRecord) -> str | None:

@@ -1,0 +1,88 @@
+"""Elastic membership: one mechanism for every node that has no place in a run.
+
+In a deployment nodes come and go: a SuperNode connects minutes after the run started, crashes
+and comes back, or answers stage 1 with nothing usable. A strategy that builds structure over
+its nodes (FedSeq's superclients, FedConcat's clusters, FedCat's groups) must give each such node
+a place, or the node's data never trains the model. `Membership` remembers where every node was
+placed and which placed nodes were connected at the last look; `RelayStrategy` looks at the
+start of every round and asks the strategy (`RelayStrategy.place`) where each node without a
+place goes, for one of the reasons below, and records every placement the same way for every
+strategy: ``{"node", "where", "why"}`` under ``placements`` in the round's record (stage 1's in
+the setup record), the round's ``membership`` counts (connected, trained, joined, returned,
+left), and one log line when nodes join, come back or leave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+# Why a node is being placed.
+START = "connected at the start"  # placed by the strategy's stage 1 (or the run's first round)
+JOINED = "joined after the start"  # connected for the first time after the run started
+RETURNED = "came back"  # placed before, not connected at the last look, connected again
+NO_STAGE1_REPLY = "no usable stage-1 reply"  # connected at the start, its stage-1 reply missing or rejected
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What changed since the last look: nodes never placed, placed nodes back, placed nodes gone."""
+
+    new: list[int]
+    returned: list[int]
+    left: list[int]
+
+
+@dataclass
+class Membership:
+    """Where every node of the run was placed, and which placed nodes were connected at the last look.
+
+    `places[node]` is the JSON-ready place the strategy gave the node ("pool" for strategies that
+    sample from every connected node each round).
+    """
+
+    places: dict[int, Any] = field(default_factory=dict)
+    connected: set[int] = field(default_factory=set)
+    trained: set[int] = field(default_factory=set)  # nodes that had a training reply taken
+
+    def look(self, live: Iterable[int]) -> Changes:
+        """Compare the connected nodes `live` with the last look (placed nodes only are remembered)."""
+        now = {int(node) for node in live}
+        placed = now & self.places.keys()
+        changes = Changes(
+            new=sorted(now - self.places.keys()),
+            returned=sorted(placed - self.connected),
+            left=sorted(self.connected - now),
+        )
+        self.connected = placed
+        return changes
+
+    def settle(self, node: int, where: Any, connected: bool = True) -> None:
+        """Record `node`'s place (`connected`: it is connected now)."""
+        self.places[int(node)] = where
+        if connected:
+            self.connected.add(int(node))
+
+    def report(self) -> dict[str, Any]:
+        """metrics.json's ``membership``: how many nodes had a place, and which never trained."""
+        return {"placed": len(self.places), "never_trained": sorted(self.places.keys() - self.trained)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready: node ids as strings (JSON object keys)."""
+        return {
+            "places": {str(node): where for node, where in self.places.items()},
+            "connected": sorted(self.connected),
+            "trained": sorted(self.trained),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output."""
+        self.places = {int(node): where for node, where in state["places"].items()}
+        self.connected = {int(node) for node in state["connected"]}
+        self.trained = {int(node) for node in state["trained"]}
+
+
+def placement(node: int, where: Any, why: str) -> dict[str, Any]:
+    """One placement as metrics.json records it."""
+    return {"node": int(node), "where": where, "why": why}

@@ -1,0 +1,119 @@
+"""Elastic membership: the one mechanism, its records, and the nodes every strategy gives a place."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from concatfl.core.fedcat import CountTable, select_replacement
+from concatfl.server_app import wait_for_start
+from concatfl.strategies import FedAvg, FedCat
+from concatfl.strategies.membership import JOINED, RETURNED, Membership
+from tests.fakes import BIG_IDS, FakeGrid, reply_with
+
+MODEL = ArrayRecord({"w": Array(np.zeros(3, dtype=np.float32))})
+
+
+def trainer(step: float = 1.0):
+    """A node whose training adds `step` to every weight."""
+
+    def handle(message: Message) -> Message:
+        values = {k: Array(v.numpy() + step) for k, v in message.content.array_records["arrays"].items()}
+        metrics = MetricRecord({"num-examples": 10})
+        return reply_with(message, RecordDict({"arrays": ArrayRecord(values), "metrics": metrics}))
+
+    return handle
+
+
+def test_membership_tells_new_returning_and_departed_nodes_apart():
+    members = Membership()
+    first = members.look([BIG_IDS[0], BIG_IDS[1]])
+    assert first.new == [BIG_IDS[0], BIG_IDS[1]] and first.returned == [] and first.left == []
+    members.settle(BIG_IDS[0], "pool")
+    members.settle(BIG_IDS[1], "pool")
+    assert members.look([BIG_IDS[0], BIG_IDS[1]]) == type(first)([], [], [])
+    gone = members.look([BIG_IDS[0]])
+    assert gone.left == [BIG_IDS[1]] and gone.new == [] and gone.returned == []
+    back = members.look([BIG_IDS[0], BIG_IDS[1], BIG_IDS[2]])
+    assert back.returned == [BIG_IDS[1]] and back.new == [BIG_IDS[2]]
+    # A node that was not placed stays new until it is; ids of 64 bits stay exact through the state.
+    assert members.look([BIG_IDS[0], BIG_IDS[1], BIG_IDS[2]]).new == [BIG_IDS[2]]
+    restored = Membership()
+    restored.load_state_dict(members.state_dict())
+    assert restored == members
+
+
+def test_fedavg_trains_a_node_from_the_round_it_joins_and_records_who_came_and_went():
+    grid = FakeGrid({1: trainer(), 2: trainer()}, arrivals={3: (1, trainer())})
+    strategy = FedAvg(seed=0, update_clip=0.0, weight_clip=0.0)
+    original = grid.get_node_ids
+
+    def listing():  # node 2 is away while round 3 starts
+        nodes = list(original())
+        return [node for node in nodes if not (node == 2 and grid.latest_round == 2)]
+
+    grid.get_node_ids = listing
+    strategy.start(grid, MODEL, num_rounds=4, train_config=ConfigRecord())
+    rounds = strategy.history
+    assert strategy.setup_record["start_nodes"] == 2
+    assert rounds[0]["membership"] == {"connected": 2, "trained": 2} and "placements" not in rounds[0]
+    assert rounds[1]["membership"] == {"connected": 3, "trained": 3, "joined": [3]}
+    assert rounds[1]["placements"] == [{"node": 3, "where": "pool", "why": JOINED}]
+    assert rounds[1]["selected"] == [1, 2, 3]
+    assert rounds[2]["membership"] == {"connected": 2, "trained": 2, "left": [2]}
+    assert rounds[3]["membership"] == {"connected": 3, "trained": 3, "returned": [2]}
+    assert rounds[3]["placements"] == [{"node": 2, "where": "pool", "why": RETURNED}]
+
+
+def test_fedcat_puts_a_joining_node_into_the_smallest_group_where_it_is_soon_selected():
+    nodes = {node: trainer() for node in (1, 2, 3, 4, 5)}
+    grid = FakeGrid(nodes, arrivals={9: (1, trainer())})
+    strategy = FedCat(k=2, group_cycles=10, hop_step=1.0, hop_clip=0.0, update_clip=0.0, weight_clip=0.0, seed=0)
+    strategy.start(grid, MODEL, num_rounds=6, train_config=ConfigRecord())
+    first_groups = strategy.history[0]["groups"]
+    (placed,) = strategy.history[1]["placements"]
+    smallest = min(range(2), key=lambda g: (len(first_groups[g]), g))
+    assert placed == {"node": 9, "where": {"group": smallest}, "why": JOINED}
+    assert 9 in strategy.history[1]["groups"][smallest]
+    # Its counts are zero while its group's others were selected: the count rule reaches it within
+    # the group's size in cycles (both of ε's branches prefer a device never selected at an offset).
+    assert any(9 in record["selected"] for record in strategy.history[1:])
+
+
+def test_a_replacement_is_drawn_from_the_candidates_by_the_count_rule_and_counted():
+    table = CountTable(2)
+    table.increment(7, 1)
+    rng = np.random.default_rng(0)
+    # Never selected at this offset beats selected once, whatever ε draws.
+    assert all(select_replacement([7, 8], CountTable.from_state(table.state_dict()), 1, eps, rng) == 8 for eps in (0.0, 1.0))
+    assert select_replacement([], table, 1, 0.5, rng) is None
+    assert select_replacement([7], table, 1, 0.5, rng) == 7 and table.counts([7], 1).tolist() == [2]
+
+
+class ScriptedGrid:
+    """Node ids that change at given (fake) times."""
+
+    def __init__(self, timeline: list[tuple[float, list[int]]]) -> None:
+        self.timeline, self.now = timeline, 0.0
+
+    def get_node_ids(self):
+        return next(nodes for at, nodes in reversed(self.timeline) if at <= self.now)
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_the_start_waits_for_the_expected_nodes_or_a_stable_set_within_start_wait():
+    arriving = [(0.0, [1]), (2.0, [1, 2]), (4.0, [1, 2, 3]), (30.0, [1, 2, 3, 4])]
+    grid = ScriptedGrid(arriving)
+    assert wait_for_start(grid, 2, expected=3, wait=60, clock=grid.clock, sleep=grid.sleep) == 3
+    grid = ScriptedGrid(arriving)  # settle: 3 s without a change after node 3 came at 4 s
+    assert wait_for_start(grid, 2, settle=3.0, wait=60, clock=grid.clock, sleep=grid.sleep) == 3 and grid.now < 8.0
+    grid = ScriptedGrid(arriving)  # start-wait bounds the wait for a count that never comes in time
+    assert wait_for_start(grid, 1, expected=9, wait=10, clock=grid.clock, sleep=grid.sleep) == 3
+    assert 10.0 <= grid.now < 11.0
+    grid = ScriptedGrid(arriving)  # the minimum alone: no settle, no expected count
+    assert wait_for_start(grid, 1, clock=grid.clock, sleep=grid.sleep) == 1 and grid.now == 0.0
