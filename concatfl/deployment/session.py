@@ -119,7 +119,7 @@ class FlowerSession(FlowerCli):
         try:
             self.start_superlink()
             if self.fleet_door is not None:
-                self.start_fleet_door(self.fleet_door)
+                self.start_fleet_door()
         except BaseException:
             self.__exit__()
             raise
@@ -137,12 +137,13 @@ class FlowerSession(FlowerCli):
         )
         return self.superlink
 
-    def start_fleet_door(self, certificates: Certificates) -> subprocess.Popen[bytes]:
+    def start_fleet_door(self) -> subprocess.Popen[bytes]:
         """Start the fleet door on `address` in front of the SuperLink (log `fleet-door.log`) and
         wait until it listens; it keeps running across SuperLink restarts."""
-        assert self.door_port is not None
+        assert self.fleet_door is not None and self.door_port is not None
+        # "localhost": the name in the SuperLink's certificate for its loopback address
         settings = fleet_door_env(
-            self.address, self.superlink_address, "localhost", certificates, f"{LOOPBACK}:{free_port()}"
+            self.address, self.superlink_address, "localhost", self.fleet_door, f"{LOOPBACK}:{free_port()}"
         )
         command = fleet_door_command(PROJECT_DIR / "deploy/haproxy.cfg")
         self.door = self.spawn(command, "fleet-door.log", netns=self.superlink_netns, env=settings)
