@@ -196,8 +196,10 @@ def warm_executor_command(runtime_api_port: int, supernode_pid: int) -> list[str
 
 def fleet_door_command(config: str | os.PathLike) -> list[str]:
     """HAProxy with concatfl's fleet door configuration `config` (deploy/haproxy.cfg; its settings
-    come from `fleet_door_env`). It stays in the foreground and stops on SIGTERM."""
-    return ["haproxy", "-f", str(config)]
+    come from `fleet_door_env`), in the foreground. Master-worker mode (-W): the master stops its
+    worker on SIGTERM also as a container's PID 1 (a lone HAProxy there ignores SIGTERM, and
+    `docker stop` waited its 10 s for the SIGKILL)."""
+    return ["haproxy", "-W", "-db", "-f", str(config)]
 
 
 def fleet_door_env(
