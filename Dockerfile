@@ -2,7 +2,8 @@
 # runs the ServerApp and each SuperNode runs the ClientApp as subprocesses, so all of them need
 # concatfl and its dependencies (Flower's Docker guide extends its images with the app's
 # dependencies the same way). The image also carries the `flwr` CLI (services `register` and
-# `submit`) and concatfl's warm ClientApp executor (deploy/supernode.sh).
+# `submit`), concatfl's warm ClientApp executor (deploy/supernode.sh) and HAProxy (service
+# `fleet-door`).
 #
 #   docker build -t concatfl:0.1.0 .                     # from the package index (needs internet)
 #   deploy/build-images.sh                               # offline: local base image and wheelhouse
@@ -36,6 +37,10 @@ RUN set -e; \
 
 FROM ${BASE_IMAGE}
 WORKDIR /app
+# HAProxy from Debian's packages: the fleet door in front of the SuperLink (deploy/haproxy.cfg).
+# deploy/build-images.sh's debootstrap base has it already; another base gets it from its apt.
+RUN command -v haproxy >/dev/null || { apt-get update \
+        && apt-get install -y --no-install-recommends haproxy && rm -rf /var/lib/apt/lists/*; }
 # Like Flower's images: run as the unprivileged user `app` (uid 49999), which must be able to read
 # the mounted certificates (chown 49999 deploy/certs) and owns the state and output volumes.
 RUN useradd --create-home --uid 49999 app \
@@ -48,7 +53,7 @@ COPY --from=build /app/.venv /app/.venv
 # these small layers, never the environment.
 COPY pyproject.toml README.md ./
 COPY concatfl ./concatfl
-COPY deploy/healthcheck.py deploy/register-supernodes.sh deploy/supernode.sh ./deploy/
+COPY deploy/healthcheck.py deploy/register-supernodes.sh deploy/supernode.sh deploy/haproxy.cfg ./deploy/
 USER app
 # FLWR_SUPEREXEC_TASK_POLL_INTERVAL: the SuperExec looks for new ServerApp/ClientApp tasks every
 # 0.1 s instead of 1 s (measured in docs/deployment.md, "Latency").

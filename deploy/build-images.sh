@@ -6,8 +6,9 @@
 #
 # 1. Base image: BASE_IMAGE (default python:3.11-slim) if it is present or can be pulled; else a
 #    Debian bookworm root file system made with debootstrap from Debian's own packages
-#    (python3 3.11, python3-venv, ca-certificates) and imported as concatfl-base:bookworm
-#    (built once; `docker rmi concatfl-base:bookworm` to rebuild). Needs debootstrap and root.
+#    (python3 3.11, python3-venv, ca-certificates, haproxy for the fleet door) and imported as
+#    concatfl-base:bookworm-<hash of that package list> (built once per list; `docker rmi` it to
+#    rebuild). Needs debootstrap and root.
 # 2. Wheelhouse: every wheel the image installs, downloaded on this host with its own pip
 #    configuration (index, certificates, find-links) into deploy/wheelhouse/, once per list of
 #    dependencies in pyproject.toml. The image build then installs from it with --no-index: no network inside the
@@ -20,7 +21,10 @@ image=${IMAGE:-concatfl:0.1.0}
 base=${BASE_IMAGE:-python:3.11-slim}
 torch_version=${TORCH_VERSION:-2.13.0}
 debian_mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
-local_base=concatfl-base:bookworm
+# haproxy: the fleet door in front of the SuperLink (deploy/haproxy.cfg); the Dockerfile installs it
+# with apt on a base image that lacks it.
+base_packages=python3,python3-venv,ca-certificates,haproxy
+local_base=concatfl-base:bookworm-$(echo "$base_packages" | sha256sum | cut -c1-8)
 python=${PYTHON:-python3}
 say() { echo "build-images.sh: $*"; }
 
@@ -35,8 +39,7 @@ else
         say "$base cannot be pulled: building $local_base with debootstrap from $debian_mirror"
         rootfs=$(mktemp -d)
         trap 'rm -rf "$rootfs"' EXIT
-        debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
-            bookworm "$rootfs" "$debian_mirror" >/dev/null
+        debootstrap --variant=minbase --include="$base_packages" bookworm "$rootfs" "$debian_mirror" >/dev/null
         rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
             "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/*
         tar -C "$rootfs" -c . | docker import -c 'ENV LANG=C.UTF-8' -c 'CMD ["bash"]' - "$local_base" >/dev/null

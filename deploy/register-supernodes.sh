@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Register SuperNode public keys with a SuperLink that runs with --enable-supernode-auth
-# (docker-compose's `register` service; works the same from any host with the flwr CLI).
+# (docker-compose's `register` service; natively the same with the flwr CLI). Registering is the
+# operator's: CONNECTION must reach the SuperLink's own port (127.0.0.1:9093 on the SuperLink's
+# host, or through an SSH tunnel to it); the SuperNodes' port (the fleet door, 8000) refuses it.
 # A key that is already registered is left as it is, so running this again is harmless.
 # (`flwr supernode register --format json` exits 0 even on failure: its "success" decides.)
 #   deploy/register-supernodes.sh CONNECTION KEY.pub [KEY.pub ...]

@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 import psutil
 
 from concatfl import PROJECT_DIR
+from concatfl.deployment.commands import superlink_security
+from concatfl.deployment.fleet import make_certificates, start_authenticated_nodes
 from concatfl.deployment.processes import exit_on_signals
 from concatfl.deployment.session import FlowerSession
 from concatfl.metrics import read_metrics
@@ -42,12 +44,16 @@ APP = PROJECT_DIR / "scripts/latency_app"
 
 class Variant(NamedTuple):
     """Settings of one measured deployment: extra environment of every process, how the
-    SuperNodes run ClientApps (concatfl.deployment.commands.EXECUTORS), and whether the SuperLink keeps its
-    state in an SQLite file (`--database`) instead of memory (Flower's default)."""
+    SuperNodes run ClientApps (concatfl.deployment.commands.EXECUTORS), whether the SuperLink keeps its
+    state in an SQLite file (`--database`) instead of memory (Flower's default), whether TLS and
+    SuperNode authentication are on (registered keys, as in docker-compose.yml), and whether the
+    SuperNodes reach the SuperLink through the fleet door (HAProxy, deploy/haproxy.cfg; needs TLS)."""
 
     env: dict[str, str]
     executor: str = "stock"
     state_db: bool = False
+    tls: bool = False
+    fleet_door: bool = False
 
 
 # FLWR_SUPEREXEC_TASK_POLL_INTERVAL is Flower 1.42's own setting (SuperExec's task polling,
@@ -62,6 +68,8 @@ VARIANTS: dict[str, Variant] = {
     "warm-executor": Variant({}, executor="warm"),
     "warm-executor+supernode-poll-0.1s": Variant({"CONCATFL_SUPERNODE_IDLE_POLL": "0.1"}, executor="warm"),
     "warm-executor+superlink-state-db": Variant({}, executor="warm", state_db=True),
+    "warm-executor+tls": Variant({}, executor="warm", tls=True),
+    "warm-executor+tls+fleet-door": Variant({}, executor="warm", tls=True, fleet_door=True),
 }
 
 
@@ -85,16 +93,31 @@ def measure_variant(
     hop_log.touch()
     env = {**variant.env, "CONCATFL_HOP_LOG": str(hop_log)}
     database = workdir / "state.db" if variant.state_db else None
-    with FlowerSession(workdir, simulation=False, env=env, database=database, executor=variant.executor) as session:
-        node_processes = [session.start_supernode(partition_id, nodes) for partition_id in range(nodes)]
+    certificates = make_certificates(workdir / "certs", nodes) if variant.tls else None
+    security = {
+        "superlink_args": superlink_security(certificates, supernode_auth=True),
+        "root_certificates": certificates.ca_cert,
+        "fleet_door": certificates if variant.fleet_door else None,
+    } if certificates is not None else {}
+    with FlowerSession(
+        workdir, simulation=False, env=env, database=database, executor=variant.executor, **security
+    ) as session:
+        if certificates is not None:
+            registered = start_authenticated_nodes(session, certificates, list(range(nodes)), nodes)
+            node_processes = [node.process for node in registered.values()]
+        else:
+            node_processes = [session.start_supernode(partition_id, nodes) for partition_id in range(nodes)]
         node_processes += session.executors.values()
         deadline = time.monotonic() + 120
         while sum(node["status"] == "online" for node in session.supernodes()) < nodes:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{nodes} SuperNodes were not online within 120 s")
             time.sleep(1)
-        results["idle_cores"] = idle_cores(node_processes, idle_seconds)
-        print(f"{name:40s} idle: {results['idle_cores']:.3f} cores for {nodes} nodes", flush=True)
+        idle = idle_cores({"nodes": node_processes, "fleet_door": [session.door] if session.door else []}, idle_seconds)
+        results["idle_cores"] = idle["nodes"]
+        if session.door is not None:
+            results["fleet_door_idle_cores"] = idle["fleet_door"]
+        print(f"{name:40s} idle: {idle} cores ({nodes} nodes)", flush=True)
         for strategy, run_config in strategy_runs(nodes, rounds).items():
             logged_before = len(hop_log.read_text().splitlines())
             output = workdir / strategy
@@ -115,10 +138,11 @@ def measure_variant(
     return results
 
 
-def idle_cores(processes: list[Any], seconds: float) -> float:
-    """CPU cores used by these processes and their descendants over `seconds` of idling."""
+def idle_cores(groups: dict[str, list[Any]], seconds: float) -> dict[str, float]:
+    """CPU cores used by each group of processes (and their descendants) over the same `seconds`
+    of idling."""
 
-    def cpu_seconds() -> float:
+    def cpu_seconds(processes: list[Any]) -> float:
         total = 0.0
         for process in processes:
             try:
@@ -130,9 +154,9 @@ def idle_cores(processes: list[Any], seconds: float) -> float:
                 continue
         return total
 
-    before = cpu_seconds()
+    before = {name: cpu_seconds(processes) for name, processes in groups.items()}
     time.sleep(seconds)
-    return round((cpu_seconds() - before) / seconds, 4)
+    return {name: round((cpu_seconds(processes) - before[name]) / seconds, 4) for name, processes in groups.items()}
 
 
 def sequential_hop_parts(hops: list[dict[str, Any]], tasks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,9 +1,10 @@
-"""Shared test setup, and the rule for tests that need Docker.
+"""Shared test setup, and the rule for tests that need Docker or HAProxy.
 
 Tests marked `compose` run the docker-compose CLI; tests marked `docker` also need a running
-Docker engine. On a machine without them those tests are skipped, and the run ends with one
-line that says how to run them; with CONCATFL_REQUIRE_DOCKER=1 (set by `.ci/run`, which installs
-and starts them) a missing engine or CLI is a failure instead, so CI never skips them.
+Docker engine; tests marked `haproxy` run the fleet door natively (HAProxy, deploy/haproxy.cfg).
+On a machine without them those tests are skipped, and the run ends with one line that says how
+to run them; with CONCATFL_REQUIRE_DOCKER=1 (set by `.ci/run`, which installs and starts them) a
+missing engine, CLI or HAProxy is a failure instead, so CI never skips them.
 """
 
 import os
@@ -15,10 +16,10 @@ import torch
 from flwr.supercore.task_identity import TaskIdentity
 
 REQUIRE_DOCKER = "CONCATFL_REQUIRE_DOCKER"
-NEEDS_DOCKER = "needs Docker"
+NEEDS_TOOLS = "needs Docker or HAProxy"
 HOW_TO_RUN = (
-    "install docker.io and docker-compose, start dockerd (`.ci/run` does both on Debian), then run the tests "
-    f"again; {REQUIRE_DOCKER}=1 turns a missing engine into a failure"
+    "install docker.io, docker-compose and haproxy, start dockerd (`.ci/run` does both on Debian), then run the "
+    f"tests again; {REQUIRE_DOCKER}=1 turns a missing engine into a failure"
 )
 
 # The tests' models are tiny: one thread avoids oversubscribing small CI machines (two threads
@@ -36,11 +37,13 @@ def task_identity():
     yield
 
 
-def _docker_missing(engine: bool) -> str | None:
-    """What is missing for a `compose` (engine False) or `docker` test, or None."""
+def _missing(marker: str) -> str | None:
+    """What is missing for a test marked `marker` (`haproxy`, `compose` or `docker`), or None."""
+    if marker == "haproxy":
+        return "no haproxy command" if shutil.which("haproxy") is None else None
     if shutil.which("docker-compose") is None:
         return "no docker-compose command"
-    if engine:
+    if marker == "docker":
         if shutil.which("docker") is None:
             return "no docker command"
         try:
@@ -57,17 +60,17 @@ def pytest_collection_modifyitems(config, items):
         return
     missing = {}
     for item in items:
-        for marker, engine in (("docker", True), ("compose", False)):
+        for marker in ("docker", "compose", "haproxy"):
             if item.get_closest_marker(marker) is None:
                 continue
             if marker not in missing:
-                missing[marker] = _docker_missing(engine)
+                missing[marker] = _missing(marker)
             if missing[marker] is not None:
-                item.add_marker(pytest.mark.skip(reason=f"{NEEDS_DOCKER}: {missing[marker]}"))
+                item.add_marker(pytest.mark.skip(reason=f"{NEEDS_TOOLS}: {missing[marker]}"))
             break
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    skipped = [r for r in terminalreporter.stats.get("skipped", []) if NEEDS_DOCKER in str(r.longrepr)]
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if NEEDS_TOOLS in str(r.longrepr)]
     if skipped:
-        terminalreporter.write_line(f"{len(skipped)} Docker tests skipped (no Docker here): to run them, {HOW_TO_RUN}.")
+        terminalreporter.write_line(f"{len(skipped)} Docker/HAProxy tests skipped (not installed here): to run them, {HOW_TO_RUN}.")

@@ -2,11 +2,15 @@
 
 The image is built by deploy/build-images.sh (offline, cached: seconds when nothing changed),
 certificates come from scripts/make-certs.sh, the stack comes up with `docker-compose up -d`
-(TLS, SuperNode authentication, healthchecks, SuperNodes with the warm executor), and then:
-a FedCat job through the `submit` service; a FedSeq job from the host's `flwr run` over TLS
-during which a SuperNode container is `docker kill`ed and started again; an unregistered
-SuperNode container; SuperNodes of a second "host" (deploy/supernodes.compose.yml, host network)
-that reach the SuperLink only through its published 127.0.0.1 port; `docker-compose down -v`.
+(TLS, SuperNode authentication, the fleet door, healthchecks, SuperNodes with the warm executor),
+and then: an outsider on the host holding the CA certificate, at the published SuperNodes' port,
+can neither register its own SuperNode key nor run its own app nor list runs; a FedCat job
+through the `submit` service; a FedSeq job from the host's `flwr run` (the operator's door, the
+SuperLink's own port on loopback) during which a SuperNode container is `docker kill`ed and
+started again; an unregistered SuperNode container on the SuperNodes' network, which cannot
+reach the SuperLink itself either; SuperNodes of a second "host" (deploy/supernodes.compose.yml,
+host network) that reach the SuperLink only through the published fleet door; `docker-compose
+down -v`.
 
 They need a Docker engine and docker-compose: without them they are skipped (tests/conftest.py
 says how to run them), except under CONCATFL_REQUIRE_DOCKER=1, which `.ci/run` sets after it
@@ -26,7 +30,9 @@ import pytest
 
 from concatfl import PROJECT_DIR
 from concatfl.deployment.cli import CONNECTION, FlowerCli
+from concatfl.deployment.commands import FLEET_DOOR_PORT, OPERATOR_PORT
 from concatfl.deployment.fleet import make_certificates, wait_for
+from concatfl.deployment.processes import SimulationError
 from concatfl.deployment.warm_executor import task_records
 
 from .deploy import misses_of
@@ -36,7 +42,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.docker]
 PROJECT = "concatfl-e2e"
 SECOND_HOST = "concatfl-e2e-host2"
 IMAGE = "concatfl:0.1.0"
-SUPERLINK_ADDRESS = "127.0.0.1:8000"
+# The operator's door (the SuperLink's own port) and the SuperNodes' (the fleet door), as published.
+OPERATOR_ADDRESS = f"127.0.0.1:{OPERATOR_PORT}"
+FLEET_DOOR_ADDRESS = f"127.0.0.1:{FLEET_DOOR_PORT}"
+# What the fleet door answers to anything but a registered SuperNode's Fleet API calls.
+REFUSED = "Not served here"
 # Keys 0 and 1: the `register` service; 2 and 3: the second host's SuperNodes, registered by an
 # administrator with the CLI; 4: never registered.
 NUM_KEYS = 5
@@ -129,10 +139,10 @@ def stack(engine, tmp_path_factory):
         project("down", "-v", "--remove-orphans", check=False)
     started = time.monotonic()
     try:
-        compose("up", "-d", "superlink", "register", "supernode-0", "supernode-1")
-        compose.wait_healthy("superlink", "supernode-0", "supernode-1")
+        compose("up", "-d", "superlink", "fleet-door", "register", "supernode-0", "supernode-1")
+        compose.wait_healthy("superlink", "fleet-door", "supernode-0", "supernode-1")
         print(f"stack start: {time.monotonic() - started:.1f} s")
-        cli = FlowerCli(workdir / "cli", SUPERLINK_ADDRESS, root_certificates=certificates.ca_cert)
+        cli = FlowerCli(workdir / "cli", OPERATOR_ADDRESS, root_certificates=certificates.ca_cert)
         yield compose, second_host, cli, certificates
     finally:
         for project in (second_host, compose):
@@ -143,16 +153,32 @@ def online_nodes(cli: FlowerCli) -> list[int]:
     return sorted(int(node["node-id"]) for node in cli.supernodes() if node["status"] == "online")
 
 
-def test_stack_is_healthy_with_registered_supernodes_and_a_loopback_only_port(stack):
+def test_stack_is_healthy_with_registered_supernodes_and_loopback_only_ports(stack):
     compose, _, cli, _ = stack
-    assert compose.health("superlink") == "healthy"
+    assert compose.health("superlink") == "healthy" and compose.health("fleet-door") == "healthy"
     register = docker("inspect", "-f", "{{.State.ExitCode}}", compose("ps", "-a", "-q", "register").stdout.strip())
     assert register.strip() == "0"
     wait_for(lambda: len(online_nodes(cli)) == 2, 60, "two SuperNodes online")
-    bindings = json.loads(docker("inspect", "-f", "{{json .NetworkSettings.Ports}}", compose.container("superlink")))
-    assert [(b["HostIp"], b["HostPort"]) for b in bindings["8000/tcp"]] == [("127.0.0.1", "8000")]
+    for service, port in (("superlink", OPERATOR_PORT), ("fleet-door", FLEET_DOOR_PORT)):
+        bindings = json.loads(docker("inspect", "-f", "{{json .NetworkSettings.Ports}}", compose.container(service)))
+        published = {name: [(b["HostIp"], b["HostPort"]) for b in hosts or []] for name, hosts in bindings.items()}
+        assert {name: hosts for name, hosts in published.items() if hosts} == {f"{port}/tcp": [("127.0.0.1", str(port))]}
     for supernode in ("supernode-0", "supernode-1"):  # each with its warm executor
         assert "concatfl.deployment.warm_executor" in docker("top", compose.container(supernode))
+
+
+def test_an_outsider_with_the_ca_certificate_can_neither_register_a_supernode_nor_run_an_app(stack, tmp_path):
+    _, _, cli, certificates = stack
+    # Where SuperNodes connect, with the CA certificate every SuperNode and CLI user gets.
+    outsider = FlowerCli(tmp_path / "outsider", FLEET_DOOR_ADDRESS, root_certificates=certificates.ca_cert)
+    with pytest.raises(SimulationError, match=REFUSED):
+        outsider.register_supernode(certificates.supernode_public_key(UNREGISTERED_KEY))
+    with pytest.raises(SimulationError, match=REFUSED):
+        outsider.submit({}, app_dir=PROJECT_DIR / "tests/apps/stateful")  # an app of its own
+    # (Listing runs is refused alike: tests/test_deploy_multihost.py.) The operator sees no run
+    # yet (the jobs below come later) and only the two SuperNodes of `register`.
+    assert json.loads(cli.flwr(["ls", CONNECTION, "--format", "json"]))["runs"] == []
+    assert len(cli.supernodes()) == 2
 
 
 def test_fedcat_job_through_the_submit_service_completes_with_metrics_in_the_outputs_volume(stack):
@@ -208,21 +234,34 @@ def test_fedseq_job_survives_a_killed_and_restarted_supernode_container(stack):
     print(f"FedSeq, supernode-0 killed: misses {missed}; run completed {finished:.0f} s after the kill")
 
 
-def test_an_unregistered_supernode_container_is_refused(stack):
-    compose, _, cli, certificates = stack
+def test_an_unregistered_supernode_container_is_refused_and_cannot_reach_the_superlink_itself(stack):
+    _, _, cli, certificates = stack
     before = online_nodes(cli)
+    # On the SuperNodes' network, where `superlink` is the fleet door; then, from the same place,
+    # the SuperLink's own port: by its name on the operator's network, and by the door's name.
+    probe = (
+        "import socket\n"
+        f"for target in [('superlink-api', {OPERATOR_PORT}), ('superlink', {OPERATOR_PORT})]:\n"
+        "    try:\n"
+        "        socket.create_connection(target, timeout=5).close(); print('reached', *target)\n"
+        "    except OSError as error:\n"
+        "        print('unreachable', *target, type(error).__name__)\n"
+    )
     output = docker(
-        "run", "--rm", "--network", f"{PROJECT}_default",
-        "-v", f"{certificates.directory}:/certs:ro", "--entrypoint", "flower-supernode", IMAGE,
-        "--root-certificates=/certs/ca.crt", f"--auth-supernode-private-key=/certs/supernode-{UNREGISTERED_KEY}",
-        "--superlink=superlink:8000", "--node-config=partition-id=0 num-partitions=2",
+        "run", "--rm", "--network", f"{PROJECT}_fleet",
+        "-v", f"{certificates.directory}:/certs:ro", "--entrypoint", "bash", IMAGE, "-c",
+        "flower-supernode --root-certificates=/certs/ca.crt"
+        f" --auth-supernode-private-key=/certs/supernode-{UNREGISTERED_KEY} --superlink=superlink:{FLEET_DOOR_PORT}"
+        f" --node-config='partition-id=0 num-partitions=2'; python -c \"$0\"", probe,
         check=False, timeout=180,
     )
     assert "Failed to activate SuperNode" in output, output[-2000:]
+    assert "reached" not in output.replace("unreachable", ""), output[-2000:]
+    assert output.count("unreachable") == 2, output[-2000:]
     assert online_nodes(cli) == before
 
 
-def test_supernodes_of_a_second_host_reach_the_superlink_through_its_published_address(stack):
+def test_supernodes_of_a_second_host_reach_the_superlink_through_the_published_fleet_door(stack):
     compose, second_host, cli, certificates = stack
     compose("stop", "-t", "5", "supernode-0", "supernode-1")
     for key in (2, 3):

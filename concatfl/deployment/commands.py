@@ -1,6 +1,7 @@
-"""How concatfl starts Flower's processes: the SuperLink, SuperNodes, the warm executor, with their
-environment, TLS and SuperNode-authentication flags (natively, in tests, scripts and the bench,
-and in docker-compose.yml, whose commands tests/test_compose.py compares with these)."""
+"""How concatfl starts Flower's processes: the SuperLink, the fleet door in front of it, SuperNodes,
+the warm executor, with their environment, TLS and SuperNode-authentication flags (natively, in
+tests, scripts and the bench, and in docker-compose.yml, whose commands tests/test_compose.py
+compares with these)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+# One door per role. The SuperLink's own port serves every API it has (Control: `flwr run/ls/log/stop`
+# and `flwr supernode register`; Fleet; Runtime): only the operator's side reaches it (loopback, or a
+# management network). SuperNodes reach the fleet door (HAProxy with deploy/haproxy.cfg), which
+# passes the Fleet API calls of registered SuperNodes and nothing else.
+OPERATOR_PORT = 9093
+FLEET_DOOR_PORT = 8000
 
 # How a SuperNode runs its ClientApp tasks: Flower's SuperExec (a new process per message) or
 # concatfl's warm executor (one long-lived process per SuperNode, deployment/warm_executor.py) beside
@@ -184,3 +192,32 @@ def warm_executor_command(runtime_api_port: int, supernode_pid: int) -> list[str
         "--insecure",
         f"--parent-pid={supernode_pid}",
     ]
+
+
+def fleet_door_command(config: str | os.PathLike) -> list[str]:
+    """HAProxy with concatfl's fleet door configuration `config` (deploy/haproxy.cfg; its settings
+    come from `fleet_door_env`), in the foreground. Master-worker mode (-W): the master stops its
+    worker on SIGTERM also as a container's PID 1 (a lone HAProxy there ignores SIGTERM, and
+    `docker stop` waited its 10 s for the SIGKILL)."""
+    return ["haproxy", "-W", "-db", "-f", str(config)]
+
+
+def fleet_door_env(
+    address: str, superlink: str, superlink_name: str, certificates: Certificates, health: str
+) -> dict[str, str]:
+    """The settings deploy/haproxy.cfg reads from its environment.
+
+    `address` (host:port, or :port for every interface) is where SuperNodes reach the door;
+    `superlink` the SuperLink's own host:port behind it; `superlink_name` the name the door checks
+    in the SuperLink's certificate (one of its SANs: `superlink` in docker-compose, `localhost`
+    natively); `certificates` holds ca.crt and the SuperLink's certificate and key, which the door
+    presents to SuperNodes; `health` (host:port) answers `GET /health` with 200 while the door has
+    the SuperLink as a healthy backend.
+    """
+    return {
+        "FLEET_DOOR_ADDRESS": address,
+        "FLEET_DOOR_SUPERLINK": superlink,
+        "FLEET_DOOR_SUPERLINK_NAME": superlink_name,
+        "FLEET_DOOR_CERTS": str(certificates.directory),
+        "FLEET_DOOR_HEALTH": health,
+    }

@@ -47,22 +47,29 @@ def start_authenticated_nodes(
     partitions: list[int],
     num_partitions: int,
     node_config: Callable[[int], str] = lambda _: "",
+    netns: str | None = None,
 ) -> dict[int, Node]:
-    """Register the key of SuperNode i (i in `partitions`) and start it with partition i."""
+    """Register the key of SuperNode i (i in `partitions`) and start it with partition i (in
+    network namespace `netns` when given)."""
     nodes = {}
     for i in partitions:
         node_id = session.register_supernode(certificates.supernode_public_key(i))
-        process = start_authenticated_node(session, certificates, i, num_partitions, node_config(i))
+        process = start_authenticated_node(session, certificates, i, num_partitions, node_config(i), netns)
         nodes[i] = Node(i, node_id, process)
     return nodes
 
 
 def start_authenticated_node(
-    session: FlowerSession, certificates: Certificates, partition_id: int, num_partitions: int, node_config: str = ""
+    session: FlowerSession,
+    certificates: Certificates,
+    partition_id: int,
+    num_partitions: int,
+    node_config: str = "",
+    netns: str | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start SuperNode `partition_id` with TLS and its authentication key."""
+    """Start SuperNode `partition_id` with TLS and its authentication key (in `netns` when given)."""
     security = supernode_security(certificates.ca_cert, certificates.supernode_key(partition_id))
-    return session.start_supernode(partition_id, num_partitions, security=security, node_config=node_config)
+    return session.start_supernode(partition_id, num_partitions, security=security, node_config=node_config, netns=netns)
 
 
 def wait_for(condition: Callable[[], T], timeout: float, what: str, interval: float = 1.0) -> T:

@@ -66,16 +66,24 @@ def kill_process_tree(process: subprocess.Popen[bytes]) -> None:
 
 
 def wait_for_port(
-    host: str, port: int, process: subprocess.Popen[bytes], log_file: Path, netns: str | None, limit: float = 60
+    host: str,
+    port: int,
+    process: subprocess.Popen[bytes],
+    log_file: Path,
+    netns: str | None,
+    what: str = "flower-superlink",
+    limit: float = 60,
 ) -> None:
+    """Wait until `process` (`what`, logging to `log_file`) listens on host:port in `netns`;
+    SimulationError, with the log's tail, when it exits first or does not listen within `limit` s."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SimulationError(f"flower-superlink exited early:\n{log_file.read_text()[-3000:]}")
+            raise SimulationError(f"{what} exited early:\n{log_file.read_text()[-3000:]}")
         if port_open(host, port, netns):
             return
         time.sleep(0.2)
-    raise SimulationError(f"flower-superlink did not listen on {host}:{port} within {limit} s")
+    raise SimulationError(f"{what} did not listen on {host}:{port} within {limit} s")
 
 
 def port_open(host: str, port: int, netns: str | None) -> bool:
