@@ -151,8 +151,9 @@ def test_stack_is_healthy_with_registered_supernodes_and_a_loopback_only_port(st
     wait_for(lambda: len(online_nodes(cli)) == 2, 60, "two SuperNodes online")
     bindings = json.loads(docker("inspect", "-f", "{{json .NetworkSettings.Ports}}", compose.container("superlink")))
     assert [(b["HostIp"], b["HostPort"]) for b in bindings["8000/tcp"]] == [("127.0.0.1", "8000")]
-    for supernode in ("supernode-0", "supernode-1"):  # each with its warm executor
-        assert "concatfl.deployment.warm_executor" in docker("top", compose.container(supernode))
+    for supernode in ("supernode-0", "supernode-1"):  # each through the launcher, with its warm executor's worker
+        processes = docker("top", compose.container(supernode))
+        assert "concatfl.deployment.supernode --warm-executor" in processes and "warm_executor.py --worker" in processes
 
 
 def test_fedcat_job_through_the_submit_service_completes_with_metrics_in_the_outputs_volume(stack):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .cli import FlowerCli
-from .commands import check_executor, superlink_command, supernode_command, warm_executor_command
+from .commands import check_executor, superlink_command, supernode_command
 from .processes import free_port, in_namespace, kill_process_tree, stop_process_tree, wait_for_port
 
 
@@ -39,8 +39,8 @@ class FlowerSession(FlowerCli):
         The SuperLink's state database (`superlink_command`); None keeps it in memory.
     executor : str (default: "stock")
         How SuperNodes run ClientApp tasks (one of EXECUTORS): "stock" is Flower's SuperNode and
-        SuperExec, "warm" is concatfl's warm executor started next to every SuperNode, which runs
-        with short fixed waits (concatfl/deployment/supernode.py).
+        SuperExec, "warm" is concatfl's SuperNode launcher with short waits that runs the warm
+        executor in its own process (concatfl/deployment/supernode.py).
     """
 
     # pylint: disable=too-many-arguments
@@ -70,7 +70,6 @@ class FlowerSession(FlowerCli):
             env={"RAY_TMPDIR": str(self.ray_tmpdir), **(env or {})},
         )
         self.executor = executor
-        self.executors: dict[int, subprocess.Popen[bytes]] = {}
         self.simulation = simulation
         self.host = host
         self.superlink_netns = superlink_netns
@@ -149,8 +148,8 @@ class FlowerSession(FlowerCli):
 
         `security` comes from `supernode_security`; the SuperNode runs in `netns` when given
         and logs to `log_name` (default `supernode-<partition_id>.log`, appended to on restart).
-        With the warm executor, its executor starts beside it (same namespace; log
-        `warm-executor-<partition_id>.log`; in `self.executors[partition_id]`) and exits with it.
+        With the warm executor, the executor's records (`warm_executor.task_records`) are in
+        that log too, and its worker is a child of the SuperNode.
         """
         port = free_port()
         command = supernode_command(
@@ -162,9 +161,4 @@ class FlowerSession(FlowerCli):
             node_config=node_config,
             executor=self.executor,
         )
-        supernode = self.spawn(command, log_name or f"supernode-{partition_id}.log", netns=netns)
-        if self.executor == "warm":
-            self.executors[partition_id] = self.spawn(
-                warm_executor_command(port, supernode.pid), f"warm-executor-{partition_id}.log", netns=netns
-            )
-        return supernode
+        return self.spawn(command, log_name or f"supernode-{partition_id}.log", netns=netns)
