@@ -1,9 +1,10 @@
-"""`FlowerSession`: a private SuperLink (simulation or deployment), the SuperNodes and warm
-executors started for it, and the `flwr` CLI pointed at it; everything it started is stopped when
+"""`FlowerSession`: a private SuperLink (simulation or deployment), the SuperNodes (with their warm
+executors) started for it, and the `flwr` CLI pointed at it; everything it started is stopped when
 the session ends, however it ends."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from .cli import FlowerCli
 from .commands import check_executor, superlink_command, supernode_command
-from .processes import free_port, in_namespace, kill_process_tree, stop_process_tree, wait_for_port
+from .processes import free_port, in_namespace, kill_process_tree, stop_process_trees, wait_for_port
 
 
 class FlowerSession(FlowerCli):
@@ -108,15 +109,15 @@ class FlowerSession(FlowerCli):
 
     def __exit__(self, *exc: object) -> None:
         self.closed = True
-        interrupted: BaseException | None = None
-        for process in reversed(self.processes):
-            try:
-                stop_process_tree(process)
-            except BaseException as error:  # pylint: disable=broad-exception-caught
-                interrupted = interrupted or error  # stop the others first (a second Ctrl-C, …)
-        shutil.rmtree(self.ray_tmpdir, ignore_errors=True)
-        if interrupted is not None:
-            raise interrupted
+        try:
+            stop_process_trees(list(reversed(self.processes)))
+        except BaseException:  # interrupted (a second Ctrl-C, …): no more waiting, kill what is left
+            for process in self.processes:
+                with contextlib.suppress(Exception):
+                    kill_process_tree(process)
+            raise
+        finally:
+            shutil.rmtree(self.ray_tmpdir, ignore_errors=True)
 
     def spawn(self, command: list[str], log_name: str, netns: str | None = None) -> subprocess.Popen[bytes]:
         """Start a process (in `netns`, logging to `workdir/log_name`) that the session will stop;
