@@ -4,7 +4,8 @@
   "initial": {"accuracy", "loss"}, "rounds": [{"round", "bytes_sent", "bytes_received", "seconds",
   "hops": [...], "aggregated", "accuracy"?, "loss"?, ...strategy-specific}],
   "final_accuracy", "final_loss", "total_bytes_sent", "total_bytes_received", "wall_seconds",
-  "node_identity"?: {"identified", "late", "flower_ids", "unanswered"} }
+  "node_identity"?: {"identified", "late", "flower_ids", "unanswered"},
+  "timing"?: {"setup_seconds", "checkpoint_seconds", "checkpoint_bytes"} }
 """
 
 from __future__ import annotations
