@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .core.sgd import SGD
 from .data.transforms import normalize
 
 Regularizer = Callable[[nn.Module], torch.Tensor]
@@ -76,7 +77,7 @@ def train(
     to every batch loss (FedProx's proximal term, FedDyn's and SCAFFOLD's linear terms, …).
     """
     model.to(device).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    optimizer = SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     criterion = nn.CrossEntropyLoss()
     total, batches = 0.0, 0
     for _ in range(epochs):
