@@ -5,7 +5,8 @@
   "hops": [...], "aggregated", "accuracy"?, "loss"?, ...strategy-specific}],
   "final_accuracy", "final_loss", "total_bytes_sent", "total_bytes_received", "wall_seconds",
   "membership"?: {"placed", "never_trained"},
-  "node_identity"?: {"identified", "late", "flower_ids", "unanswered"} }
+  "node_identity"?: {"identified", "late", "flower_ids", "unanswered"},
+  "timing"?: {"setup_seconds", "checkpoint_seconds", "checkpoint_bytes"} }
 """
 
 from __future__ import annotations

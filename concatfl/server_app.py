@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from logging import INFO
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
@@ -12,7 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
-from .checkpoint import Checkpoint, check_resumable, load_checkpoint, save_checkpoint
+from .checkpoint import CHECKPOINT_FILE, Checkpoint, check_resumable, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .metrics import summarize, write_metrics
 from .models import resolve_model_name
@@ -66,6 +67,24 @@ def wait_for_start(
     return len(nodes)
 
 
+def timing(
+    marks: dict[str, float], rounds: list[dict], checkpoint_seconds: list[float], output_dir: str
+) -> dict[str, object]:
+    """metrics.json's `timing`: the strategy's setup before round 1 (FedSeq's stage 1, FedConcat's
+    clustering: from the end of the initial evaluation to the start of round 1; None for a
+    resumed run, which has neither), the seconds each checkpoint took to write after its round,
+    and the checkpoint's size at the end."""
+    setup = None
+    if "initial_evaluated" in marks and "first_round_ended" in marks:  # not resumed: round 1 is rounds[0]
+        setup = round(marks["first_round_ended"] - rounds[0]["seconds"] - marks["initial_evaluated"], 4)
+    path = Path(output_dir) / CHECKPOINT_FILE
+    return {
+        "setup_seconds": setup,
+        "checkpoint_seconds": checkpoint_seconds,
+        "checkpoint_bytes": path.stat().st_size if path.is_file() else None,
+    }
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Validate the config, then train with the chosen strategy and record everything.
@@ -108,14 +127,24 @@ def main(grid: Grid, context: Context) -> None:
         log(INFO, "Resuming after round %d from %s (model %s)", resumed.server_round, config.output_dir,
             fingerprint(initial_arrays))
 
+    # When the initial evaluation ended (the strategy's setup starts right after it) and how long
+    # each checkpoint took: metrics.json's `timing` (the scale benchmark's start-up, stage 1 and
+    # per-round server cost).
+    marks: dict[str, float] = {}
+    checkpoint_seconds: list[float] = []
+
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         loss, accuracy = env.evaluate(strategy.global_module(arrays, env.make_model))
+        if server_round == 0:
+            marks["initial_evaluated"] = time.perf_counter()
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     def initial_metrics(result: Result) -> dict[str, float]:
         return resumed.initial if resumed is not None else dict(result.evaluate_metrics_serverapp[0])
 
     def write_checkpoint(server_round: int, arrays: ArrayRecord, result: Result) -> None:
+        marks.setdefault("first_round_ended", time.perf_counter())
+        written = time.perf_counter()
         checkpoint = Checkpoint(
             server_round=server_round,
             arrays=arrays.to_torch_state_dict(),
@@ -126,6 +155,7 @@ def main(grid: Grid, context: Context) -> None:
             wall_seconds=earlier_seconds + time.perf_counter() - started,
         )
         save_checkpoint(config.output_dir, checkpoint)
+        checkpoint_seconds.append(round(time.perf_counter() - written, 4))
 
     strategy.after_round = write_checkpoint
     result = strategy.start(
@@ -148,6 +178,7 @@ def main(grid: Grid, context: Context) -> None:
         strategy.membership.report(),
     )
     document["run_id"] = int(context.run_id)
+    document["timing"] = timing(marks, strategy.history, checkpoint_seconds, config.output_dir)
     if resumed is not None:  # what this run continued from, to compare with the checkpoint it found
         document["resumed"] = {"after_round": resumed.server_round, "model": fingerprint(ArrayRecord(resumed.arrays))}
     path = write_metrics(config.output_dir, document)

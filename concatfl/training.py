@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .config import OPTIMIZERS
+from .core.sgd import SGD
 from .data.transforms import normalize
 
 Regularizer = Callable[[nn.Module], torch.Tensor]
@@ -87,7 +88,7 @@ def train(
     step = (
         torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
         if optimizer == "adam"
-        else torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+        else SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     )
     criterion = nn.CrossEntropyLoss()
     total, batches = 0.0, 0

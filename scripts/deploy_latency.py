@@ -6,7 +6,8 @@ sequential hops per round, plus the pre-training hop). The ServerApp (scripts/la
 each hop's wall time and the ClientApps' "train-seconds"; the rest of a hop is overhead. Before
 submitting, the nodes' processes (SuperNodes with their SuperExec or warm executor) idle for
 `--idle-seconds`: their CPU use then is the cost of their polling. With the warm executor, each
-sequential hop is split further with the executor's task records (concatfl/deployment/warm_executor.py):
+sequential hop is split further with the executor's task records (concatfl/deployment/warm_executor.py,
+logged by the SuperNode whose process runs it):
 until the task was claimed, inside the executor (by step), after its reply was handed over.
 Also measured in isolation: what a fresh ClientApp process pays before training (interpreter,
 imports), and serializing a train message.
@@ -59,7 +60,8 @@ class Variant(NamedTuple):
 # FLWR_SUPEREXEC_TASK_POLL_INTERVAL is Flower 1.42's own setting (SuperExec's task polling,
 # default 1 s); CONCATFL_FLOWER_GRID=1 makes the ServerApp wait for replies as Flower's own Grid
 # does (see scripts/latency_app); CONCATFL_SUPERNODE_WAITS=flower keeps Flower's SuperNode waits
-# under the warm executor (concatfl/deployment/supernode.py). The warm executor polls every 0.1 s.
+# under the warm executor (concatfl/deployment/supernode.py). The warm executor runs inside the
+# launcher: woken by every stored message, or polling every 0.1 s under Flower's waits.
 VARIANTS: dict[str, Variant] = {
     "flower-defaults": Variant({"CONCATFL_FLOWER_GRID": "1"}),
     "server-pull-0.1s": Variant({}),
@@ -107,7 +109,6 @@ def measure_variant(
             node_processes = [node.process for node in registered.values()]
         else:
             node_processes = [session.start_supernode(partition_id, nodes) for partition_id in range(nodes)]
-        node_processes += session.executors.values()
         deadline = time.monotonic() + 120
         while sum(node["status"] == "online" for node in session.supernodes()) < nodes:
             if time.monotonic() > deadline:
@@ -128,7 +129,7 @@ def measure_variant(
             results[strategy] = summarize_hops(hops, read_metrics(output), time.perf_counter() - started)
             print(f"{name:40s} {strategy}: {results[strategy]['summary']}", flush=True)
         if variant.executor == "warm":
-            tasks = [task for log in workdir.glob("warm-executor-*.log") for task in task_records(log.read_text())]
+            tasks = [task for log in workdir.glob("supernode-*.log") for task in task_records(log.read_text())]
             results["sequential_hop_parts"] = sequential_hop_parts(
                 [hop for strategy in strategy_runs(nodes, rounds) for hop in results[strategy]["hops"]], tasks
             )

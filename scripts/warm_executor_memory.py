@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             session.wait(run_id, timeout=3600)
             wall = time.perf_counter() - started
         nodes = {
-            partition_id: rss_summary(task_records((Path(workdir) / f"warm-executor-{partition_id}.log").read_text()))
+            partition_id: rss_summary(task_records((Path(workdir) / f"supernode-{partition_id}.log").read_text()))
             for partition_id in range(args.nodes)
         }
     report = {"run_config": run_config, "nodes": nodes, "run_wall_seconds": round(wall, 1), "load_average": os.getloadavg()}

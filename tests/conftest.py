@@ -27,6 +27,19 @@ HOW_TO_RUN = (
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_cache(tmp_path_factory):
+    """concatfl's cache of computed arrays (`concatfl.data.cache`) in a folder of this test run,
+    for the tests and every process they start, never the user's."""
+    previous = os.environ.get("CONCATFL_CACHE")
+    os.environ["CONCATFL_CACHE"] = str(tmp_path_factory.mktemp("concatfl-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("CONCATFL_CACHE", None)
+    else:
+        os.environ["CONCATFL_CACHE"] = previous
+
+
 @pytest.fixture(autouse=True)
 def task_identity():
     """Flower 1.42 stamps each new Message with the running task's identity (set by its runtime).

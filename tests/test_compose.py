@@ -117,7 +117,7 @@ def test_each_supernode_holds_its_own_partition_key_and_data_and_reaches_the_sup
         assert service["depends_on"]["fleet-door"]["condition"] == "service_healthy"
         assert not any("runtime-dependency-installation" in arg for arg in service["command"])  # off by default
         assert f"${{SUPERNODE_{partition_id}_DATA:-./data}}:/data:ro" in service["volumes"]
-        # deploy/supernode.sh adds --isolation=process and runs the warm executor beside it
+        # deploy/supernode.sh runs it through the launcher with the warm executor inside
         assert service["entrypoint"] == ["bash", "/app/deploy/supernode.sh"]
         assert service["environment"]["CONCATFL_EXECUTOR"] == "${CONCATFL_EXECUTOR:-warm}"
         assert service["depends_on"]["register"]["condition"] == "service_completed_successfully"

@@ -163,8 +163,9 @@ def test_stack_is_healthy_with_registered_supernodes_and_loopback_only_ports(sta
         bindings = json.loads(docker("inspect", "-f", "{{json .NetworkSettings.Ports}}", compose.container(service)))
         published = {name: [(b["HostIp"], b["HostPort"]) for b in hosts or []] for name, hosts in bindings.items()}
         assert {name: hosts for name, hosts in published.items() if hosts} == {f"{port}/tcp": [("127.0.0.1", str(port))]}
-    for supernode in ("supernode-0", "supernode-1"):  # each with its warm executor
-        assert "concatfl.deployment.warm_executor" in docker("top", compose.container(supernode))
+    for supernode in ("supernode-0", "supernode-1"):  # each through the launcher, with its warm executor's worker
+        processes = docker("top", compose.container(supernode))
+        assert "concatfl.deployment.supernode --warm-executor" in processes and "warm_executor.py --worker" in processes
 
 
 def test_an_outsider_with_the_ca_certificate_can_neither_register_a_supernode_nor_run_an_app(stack, tmp_path):

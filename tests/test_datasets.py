@@ -426,7 +426,7 @@ def test_unwritable_cache_only_warns(tmp_path: Path, monkeypatch: pytest.MonkeyP
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("CONCATFL_CACHE", str(tmp_path / "a-file" / "cache"))
     _write_image_tree(tmp_path / "cifar10", _image_tree_files())
-    with pytest.warns(UserWarning, match="could not write the decoded-image cache"):
+    with pytest.warns(UserWarning, match="could not write the cache file"):
         d = load_dataset("cifar10", tmp_path)
     assert d.x_train.shape == (20, 3, 32, 32)
 

@@ -24,6 +24,12 @@ SCHEMES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Every test computes its partitions (a cached one would not log its warnings again)."""
+    monkeypatch.setenv("CONCATFL_CACHE", str(tmp_path / "cache"))
+
+
 def _scheme(name: str) -> str:
     return name.split("-")[0]
 
@@ -227,3 +233,22 @@ def test_dirichlet_minimum_above_half_the_mean_is_lowered_with_a_warning(caplog)
     parts = partition_indices(SYNTH, 4, "dirichlet", alpha=1.0, min_partition_size=len(SYNTH) // 2, seed=0)
     assert min(len(p) for p in parts) >= len(SYNTH) // 8
     assert f"min-partition-size={len(SYNTH) // 2} lowered to {len(SYNTH) // 8}" in caplog.text
+
+
+def test_partitions_are_computed_once_per_machine_and_read_back_identical(tmp_path, monkeypatch):
+    import concatfl.data.partition as partition
+
+    first = partition_indices(DIGITS, 7, "dirichlet", alpha=0.3, seed=4)
+    assert len(list((tmp_path / "cache").glob("partition-*.npz"))) == 1
+
+    def not_again(*args, **kwargs):
+        raise AssertionError("partitions computed again despite the cache")
+
+    monkeypatch.setattr(partition, "_compute_partitions", not_again)
+    again = partition_indices(DIGITS, 7, "dirichlet", alpha=0.3, seed=4)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again)) and len(again) == 7
+    # Another setting, or other labels, is another file.
+    with pytest.raises(AssertionError, match="computed again"):
+        partition_indices(DIGITS, 7, "dirichlet", alpha=0.3, seed=5)
+    with pytest.raises(AssertionError, match="computed again"):
+        partition_indices(DIGITS[::-1].copy(), 7, "dirichlet", alpha=0.3, seed=4)

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from concatfl import PROJECT_DIR
+from concatfl.deployment.processes import stop_process_trees
 
 # (name, command, a process name that shows the command has started its deployment, signals sent)
 ENTRY_POINTS = [
@@ -76,3 +77,31 @@ def test_a_stopped_entry_point_leaves_no_process(tmp_path: Path, name, command, 
     time.sleep(1)
     left = [command_line(p) for p in seen.values() if p.pid != entry.pid and alive(p)]
     assert left == [], f"{name} left {len(left)} processes"
+
+
+def test_stopping_signals_every_process_before_waiting_for_any(tmp_path: Path):
+    # Each process takes a second to stop once signalled: stopped one after another, a session's
+    # dozens of SuperNodes took minutes to stop, past the `timeout -k` that then killed the
+    # command mid-cleanup. All are signalled at once, within the first one's second.
+    log = tmp_path / "log"
+    program = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    open(sys.argv[1], 'a').write(f'stopping {time.time()}\\n'); time.sleep(1); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "open(sys.argv[1], 'a').write('ready\\n')\n"
+        "time.sleep(600)\n"
+    )
+    processes = [subprocess.Popen([sys.executable, "-c", program, str(log)]) for _ in range(6)]
+    try:
+        deadline = time.monotonic() + 60
+        while (log.read_text().count("ready") if log.exists() else 0) < len(processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stop_process_trees(processes)
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    stops = [float(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("stopping")]
+    assert len(stops) == len(processes) and max(stops) - min(stops) < 1.0
+    assert all(process.returncode == 0 for process in processes)

@@ -46,13 +46,24 @@ def changed_loop(source: str) -> types.ModuleType:
     return module
 
 
+KNOWN_LOOP = (
+    "import time\ndef pull_objects(*args, **kwargs):\n    pass\ndef _pull_and_store_message():\n    return 7\n"
+    "def loop():\n    run_id = _pull_and_store_message()\n    time.sleep(3)\n    time.sleep(0.5)\n"
+    "    time.sleep(0.5)\n    pull_objects(1, 2)\n"
+)
+
+
 @pytest.mark.parametrize(
     ("source", "problem"),
     [
         ("import time\ndef loop():\n    time.sleep(3)\n    time.sleep(0.5)\n", "fixed sleeps [0.5, 3]"),
-        ("import time\ndef loop():\n    time.sleep(3)\n    time.sleep(0.5)\n    time.sleep(0.5)\n", "0 calls of pull_objects"),
+        ("import time\ndef _pull_and_store_message():\n    pass\ndef loop():\n    _pull_and_store_message()\n"
+         "    time.sleep(3)\n    time.sleep(0.5)\n    time.sleep(0.5)\n", "0 calls of pull_objects"),
         ("import time\ndef loop(pull_objects):\n    time.sleep(3)\n    time.sleep(0.5)\n    time.sleep(0.5)\n"
-         "    pull_objects(1, 2, initial_backoff=1)\n", "already called with a backoff"),
+         "    pull_objects(1, 2)\n", "0 calls of _pull_and_store_message"),
+        ("import time\ndef _pull_and_store_message():\n    pass\ndef loop(pull_objects):\n    _pull_and_store_message()\n"
+         "    time.sleep(3)\n    time.sleep(0.5)\n    time.sleep(0.5)\n    pull_objects(1, 2, initial_backoff=1)\n",
+         "already called with a backoff"),
     ],
 )
 def test_a_loop_of_another_shape_keeps_flowers_waits_with_a_warning(monkeypatch, capsys, source, problem):
@@ -66,32 +77,62 @@ def test_a_loop_of_another_shape_keeps_flowers_waits_with_a_warning(monkeypatch,
 
 
 def test_a_loop_of_the_known_shape_is_adjusted(monkeypatch):
-    source = ("import time\ndef pull_objects(*args, **kwargs):\n    pass\ndef loop():\n    time.sleep(3)\n"
-              "    time.sleep(0.5)\n    time.sleep(0.5)\n    pull_objects(1, 2)\n")
     monkeypatch.setattr(inspect, "getsource", lambda module: module.__dict__["__source__"])
-    loop = changed_loop(source)
-    assert supernode.adjust(loop, idle_poll=0.2)
+    loop = changed_loop(KNOWN_LOOP)
+    stored = []
+    assert supernode.adjust(loop, idle_poll=0.2, on_message=lambda: stored.append(1))
     assert loop.time is not time and loop.pull_objects.keywords == SHORT_PULL_BACKOFF
-    assert not supernode.adjust(changed_loop(source), idle_poll=None)  # CONCATFL_SUPERNODE_WAITS=flower
+    assert loop._pull_and_store_message() == 7 and stored == [1]  # the message step tells the executor
+    assert not supernode.adjust(changed_loop(KNOWN_LOOP), idle_poll=None)  # CONCATFL_SUPERNODE_WAITS=flower
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_idle_polls_lengthen_with_the_time_since_the_last_message_up_to_flowers_own():
+    clock = Clock()
+    polls = supernode.IdlePolls(0.2, clock)
+    waits = []
+    for idle in (0.0, 1.0, 5.0, 10.0, 30.0, 600.0):
+        clock.now = 100.0 + idle
+        waits.append(polls.wait_seconds())
+    assert waits == pytest.approx([0.2, 0.2, 0.5, 1.0, 3.0, 3.0])
+    polls.message_pulled()
+    assert polls.wait_seconds() == 0.2  # a message: fast again
 
 
 def test_each_fixed_sleep_maps_to_its_short_wait():
-    assert supernode.short_sleep(3, idle_poll=0.2) == 0.2
-    assert supernode.short_sleep(0.5, idle_poll=0.2) == supernode.CHECK_INTERVAL == 0.05
-    assert supernode.short_sleep(1.5, idle_poll=0.2) == 1.5
+    polls = supernode.IdlePolls(0.2, Clock())
+    assert supernode.short_sleep(3, polls) == 0.2
+    assert supernode.short_sleep(0.5, polls) == supernode.CHECK_INTERVAL == 0.05
+    assert supernode.short_sleep(1.5, polls) == 1.5
 
 
 def test_shorten_waits_changes_only_the_given_module(monkeypatch):
-    slept, pulled = [], []
+    slept, pulled, stored = [], [], []
     monkeypatch.setattr(supernode.time, "sleep", slept.append)
+    clock = Clock()
     loop = types.ModuleType("loop")
     loop.time = supernode.time
     loop.pull_objects = lambda ids, fn, **kwargs: pulled.append((ids, kwargs))
-    supernode.shorten_waits(loop, idle_poll=0.3)
+    loop._pull_and_store_message = lambda: None if clock.now < 200 else 42
+    polls = supernode.IdlePolls(0.3, clock)
+    supernode.shorten_waits(loop, polls, on_message=lambda: stored.append(clock.now))
     loop.time.sleep(3)
     loop.time.sleep(0.5)
+    clock.now = 150.0  # idle for 50 s
+    assert loop._pull_and_store_message() is None
+    loop.time.sleep(3)
+    clock.now = 200.0
+    assert loop._pull_and_store_message() == 42  # a message: fast polls, and the executor is told
+    loop.time.sleep(3)
     loop.pull_objects(["a"], None)
-    assert slept == [0.3, 0.05]
+    assert slept == [0.3, 0.05, 3.0, 0.3] and stored == [200.0]
     assert pulled == [(["a"], {"initial_backoff": 0.05, "backoff_cap": 0.1, "max_tries_per_object": None})]
     assert loop.time is not supernode.time and supernode.time.sleep == slept.append  # the process's `time` is untouched
 
@@ -109,8 +150,17 @@ def test_the_environment_picks_the_waits_and_bad_values_name_the_variable():
 
 def test_the_launcher_refuses_a_bad_setting_before_starting(monkeypatch, capsys):
     monkeypatch.setenv("CONCATFL_SUPERNODE_IDLE_POLL", "-1")
-    assert supernode.main() == 2
+    assert supernode.main([]) == 2
     assert "CONCATFL_SUPERNODE_IDLE_POLL must be" in capsys.readouterr().err
+    monkeypatch.delenv("CONCATFL_SUPERNODE_IDLE_POLL")
+    assert supernode.main(["--warm-executor", "--isolation", "subprocess"]) == 2
+    assert "--warm-executor runs the ClientApp tasks itself" in capsys.readouterr().err
+
+
+def test_without_the_clientapp_steps_flowers_own_superexec_runs_the_tasks():
+    assert supernode.without_isolation(["--port=9095", "--isolation", "process", "--insecure", "--isolation=process"]) == [
+        "--port=9095", "--insecure",
+    ]
 
 
 def test_the_short_reply_backoff_is_set_where_the_grid_has_the_known_shape(monkeypatch):

@@ -164,3 +164,25 @@ def test_pick_device_auto_prefers_cuda_when_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert pick_device("auto") == torch.device("cuda")
     assert pick_device("cuda") == torch.device("cuda")
+
+
+@pytest.mark.parametrize(("momentum", "weight_decay"), [(0.0, 0.0), (0.9, 0.0), (0.9, 5e-4), (0.5, 1e-2)])
+def test_sgd_gives_torch_optims_weights_bit_for_bit(momentum, weight_decay):
+    from concatfl.core.sgd import SGD
+
+    def run(make_optimizer) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        model[2].bias.requires_grad_(False)  # a parameter without a gradient is skipped
+        optimizer = make_optimizer([p for p in model.parameters()])
+        data = torch.Generator().manual_seed(1)
+        for _ in range(7):
+            x, y = torch.randn(5, 6, generator=data), torch.randint(0, 3, (5,), generator=data)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ours = run(lambda params: SGD(params, lr=0.1, momentum=momentum, weight_decay=weight_decay))
+    torchs = run(lambda params: torch.optim.SGD(params, lr=0.1, momentum=momentum, weight_decay=weight_decay))
+    assert all(torch.equal(a, b) for a, b in zip(ours, torchs))

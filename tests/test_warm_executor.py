@@ -1,28 +1,35 @@
 """concatfl's warm ClientApp executor (concatfl/deployment/warm_executor.py) with real Flower processes.
 
-Each deployment runs a real SuperLink and SuperNodes (`--isolation process`) with a warm
-executor beside every SuperNode; tests/apps/stateful scripts the messages (count in
+Each deployment runs a real SuperLink and SuperNodes through concatfl's launcher with the warm
+executor in their process (`--warm-executor`); tests/apps/stateful scripts the messages (count in
 `context.state`, raise, crash) and reports the ClientApp's process id with every reply.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 from pathlib import Path
 
 import psutil
 import pytest
 
 from concatfl import PROJECT_DIR
-from concatfl.deployment.commands import warm_executor_command
+from concatfl.deployment.commands import supernode_command
 from concatfl.deployment.session import FlowerSession
+import concatfl.deployment.supernode as supernode
+import concatfl.deployment.warm_executor as warm_executor
 from concatfl.deployment.warm_executor import (
     AppRef,
+    Supervisor,
     TaskReport,
     main,
     parse_args,
@@ -99,12 +106,48 @@ def test_task_reports_and_records_survive_their_text_form():
     assert task_records(log_text) == [{"task": 7, "status": "completed"}]
 
 
-def test_the_launcher_starts_the_executor_as_a_module_that_exits_with_its_supernode():
-    command = warm_executor_command(9094, 4321)
-    assert command[1:3] == ["-m", "concatfl.deployment.warm_executor"]
-    assert parse_args(command[3:]).parent_pid == 4321
+def test_a_warm_supernode_runs_the_executor_in_the_launchers_process():
+    command = supernode_command("127.0.0.1:8000", 9095, 0, 2, executor="warm")
+    assert command[1:4] == ["-m", "concatfl.deployment.supernode", "--warm-executor"]
+    connection, flags = supernode.runtime_connection(command[4:])
+    assert connection.address == "127.0.0.1:9095" and connection.insecure and "--isolation=process" in flags
+    with pytest.raises(ValueError, match="use --isolation=process or leave it out, not --isolation=subprocess"):
+        supernode.runtime_connection(["--isolation=subprocess"])
     with pytest.raises(ValueError, match="executor must be one of stock, warm, got 'hot'"):
         FlowerSession(Path("/tmp"), simulation=False, executor="hot")
+
+
+def test_the_in_process_executor_claims_a_task_as_soon_as_it_is_woken():
+    # No task at first; the SuperNode stores a message and wakes it: it claims at once, not
+    # after its 60 s poll.
+    claims = []
+
+    class Client:
+        def AcquireTask(self, request):  # noqa: N802 (Flower's name)
+            claims.append(time.monotonic())
+            if len(claims) == 1:
+                return types.SimpleNamespace(HasField=lambda field: False, token="")
+            raise SystemExit  # ends the loop after the second claim
+
+        def close(self):
+            pass
+
+    wake = threading.Event()
+    supervisor = Supervisor(types.SimpleNamespace(client=lambda component: Client()), poll_interval=60.0, wake=wake)
+
+    def serve():
+        with contextlib.suppress(SystemExit):
+            supervisor.serve()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(warm_executor, "Worker", lambda *args: types.SimpleNamespace(stop=lambda *args: None))
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        wait_for(lambda: claims, 10, "the first claim", interval=0.01)
+        woken = time.monotonic()
+        wake.set()
+        thread.join(timeout=10)
+    assert len(claims) == 2 and claims[1] - woken < 1.0
 
 
 def run_plan(session: FlowerSession, plan: str, output: Path, app_dir: Path = STATEFUL_APP) -> list[dict]:
@@ -163,7 +206,7 @@ def test_a_crashed_worker_is_replaced_and_a_new_app_version_gets_a_fresh_worker(
         start_node(session)
         first = run_plan(session, "count,count,exit,count,count", tmp_path / "v1")
         second = run_plan(session, "count", tmp_path / "v2", app_dir=new_version)
-        executor_log = tmp_path / "warm-executor-0.log"
+        executor_log = tmp_path / "supernode-0.log"  # the executor runs in the SuperNode's process
         assert [task["status"] for task in task_records(executor_log.read_text())].count("worker died") == 1
         assert log_count(executor_log, "New app version") == 1
     # The crashed task gets Flower's own error reply; the counter lives in the SuperNode, so it
@@ -184,18 +227,17 @@ def test_a_crashed_worker_is_replaced_and_a_new_app_version_gets_a_fresh_worker(
 
 
 @pytest.mark.e2e
-def test_a_supernode_killed_mid_task_takes_its_executor_and_worker_with_it(tmp_path):
+def test_a_supernode_killed_mid_task_takes_its_worker_with_it(tmp_path):
     with one_node_session(tmp_path, "warm") as session:
         start_node(session)
         session.submit({"plan": "sleep", "reply-timeout": 120.0, "output-dir": str(tmp_path / "output")}, app_dir=STATEFUL_APP)
-        executor = session.executors[0]
-        wait_for(lambda: psutil.Process(executor.pid).children(), 60, "the executor's worker")
-        (worker,) = psutil.Process(executor.pid).children()
+        (supernode_process,) = [p for p in session.processes if p.args and "concatfl.deployment.supernode" in " ".join(p.args)]
+        wait_for(lambda: psutil.Process(supernode_process.pid).children(), 60, "the executor's worker")
+        (worker,) = psutil.Process(supernode_process.pid).children()
         wait_for(lambda: log_count(tmp_path / "supernode-0.log", "Receiving: train message"), 120, "the task")
-        time.sleep(2)  # the worker has claimed it (it polls every 0.2 s) and sleeps in the ClientApp
-        (supernode,) = [p for p in session.processes if p.args and "concatfl.deployment.supernode" in " ".join(p.args)]
-        kill_process_tree(supernode)
-        # The worker would reply after 60 s to a SuperNode that is gone and retry for ever.
-        executor.wait(timeout=30)
+        time.sleep(2)  # the worker has claimed it and sleeps in the ClientApp
+        # The SuperNode alone, not its process tree: the worker would reply after 60 s to a
+        # SuperNode that is gone and retry for ever; it sees its parent gone and exits.
+        os.kill(supernode_process.pid, signal.SIGKILL)
         wait_for(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 30, "the worker to exit")
-
+    assert leftover_processes(tmp_path) == []

@@ -1,8 +1,10 @@
 """Command line: run one suite over the given seeds, write and print its table.
 
 `python -m concatfl.bench overhead [options]` measures the framework itself instead
-(`concatfl.bench.overhead`, with options of its own); `python -m concatfl.bench soak [options]`
-runs a real deployment under sustained faults (`concatfl.bench.soak`).
+(`concatfl.bench.overhead`, with options of its own); `python -m concatfl.bench scale [options]`
+what every strategy costs from 100 to 10,000 clients (`concatfl.bench.scale`);
+`python -m concatfl.bench soak [options]` runs a real deployment under sustained faults
+(`concatfl.bench.soak`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ..data.datasets import DATASETS
 from ..deployment.cli import plain_flower_logs
 from ..deployment.processes import exit_on_signals
 from ..launch import parse_overrides
-from . import overhead, robustness, soak, stability
+from . import overhead, robustness, scale, soak, stability
 from .inprocess import simulate_in_process
 from .report import write_report
 from .runner import BenchError, cell_config, run_suite, select_cells, simulate_with_flower
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         return overhead.main(argv[1:])
     if argv[:1] == [soak.SUITE]:
         return soak.main(argv[1:])
+    if argv[:1] == [scale.SUITE]:
+        return scale.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m concatfl.bench", description=__doc__)
     parser.add_argument(
         "suite",

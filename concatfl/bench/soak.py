@@ -42,7 +42,8 @@ the cost in points against *clean*, and where it went: rounds redone, partitions
 trained, replies rejected, clipped and missing.
 
 `--capacity` measures instead how many SuperNodes this machine holds: for growing N, N nodes
-idle (CPU per node) and then run one FedSeq round (peak resident memory per node, wall time).
+idle (CPU per node, and the SuperLink's) and then run one FedSeq round (peak resident memory
+per node, RSS and PSS, and wall time).
 """
 
 from __future__ import annotations
@@ -585,10 +586,15 @@ def render_paired(summary: dict[str, Any]) -> str:
 # ------------------------------------------------------------------ capacity
 
 
-def capacity(counts: list[int], executor: str, out: Path, idle_seconds: float = 15.0) -> list[dict[str, Any]]:
-    """For each N: N SuperNodes idle (CPU per node) then one FedSeq round (peak memory, wall).
-    The rows so far are written to `out/capacity-<executor>.json` after each N (a sweep stopped
-    by a time limit keeps them), with the load average beside each."""
+def capacity(
+    counts: list[int], executor: str, out: Path, idle_seconds: float = 15.0, settle_seconds: float = 40.0
+) -> list[dict[str, Any]]:
+    """For each N: N SuperNodes idle (CPU per node, and the SuperLink's), then one FedSeq round
+    (peak memory, wall). Idle CPU is measured over `idle_seconds` once every node has been
+    online for `settle_seconds` (the SuperNode launcher's idle polls lengthen over the first 30 s
+    without a message: this is the steady state). The rows so far are written to
+    `out/capacity-<executor>.json` after each N (a sweep stopped by a time limit keeps them),
+    with the load average beside each."""
     rows = []
     for count in counts:
         workdir = (out / f"capacity-{executor}-{count}").resolve()
@@ -596,11 +602,14 @@ def capacity(counts: list[int], executor: str, out: Path, idle_seconds: float = 
         session = FlowerSession(workdir / "session", simulation=False,
                                 superlink_args=superlink_security(certificates, supernode_auth=True),
                                 root_certificates=certificates.ca_cert, env=FAST_POLLING, executor=executor)
-        row: dict[str, Any] = {"nodes": count, "executor": executor}
+        row: dict[str, Any] = {"nodes": count, "executor": executor, "load_average_start": load_average()}
+        started = time.monotonic()
         with session:
             start_authenticated_nodes(session, certificates, list(range(count)), count)
             try:
                 wait_for(lambda: len(online_node_ids(session)) == count, 300, "every SuperNode online")
+                row["seconds_until_online"] = round(time.monotonic() - started, 1)
+                time.sleep(settle_seconds)
                 row.update(_measure_capacity(session, count, workdir, idle_seconds))
             except AssertionError as error:
                 row.update(ok=False, error=str(error))
@@ -614,14 +623,17 @@ def capacity(counts: list[int], executor: str, out: Path, idle_seconds: float = 
 
 
 def _measure_capacity(session: FlowerSession, count: int, workdir: Path, idle_seconds: float) -> dict[str, Any]:
-    """Idle CPU per node over `idle_seconds`, then one FedSeq round: its wall time and the nodes'
-    peak resident memory."""
+    """Idle CPU per node and of the SuperLink over `idle_seconds`, then one FedSeq round: its wall
+    time and the nodes' peak memory (summed RSS and PSS: shared library pages counted once per
+    process in RSS, divided among the processes sharing them in PSS)."""
     row: dict[str, Any] = {}
-    family = _family(session)
+    family = _family(session) + [psutil.Process(session.superlink.pid)]
     before = {p.pid: _cpu(p) for p in family}
     time.sleep(idle_seconds)
-    used = sum(_cpu(p) - before.get(p.pid, 0.0) for p in _family(session))
-    row["idle_cpu_per_node"] = round(used / idle_seconds / count, 4)
+    used = {p.pid: _cpu(p) - before[p.pid] for p in family}
+    superlink = used.pop(session.superlink.pid)
+    row["idle_cpu_per_node"] = round(sum(used.values()) / idle_seconds / count, 4)
+    row["idle_cpu_superlink"] = round(superlink / idle_seconds, 4)
     peak = _Peak(session)
     config = {**run_config(Settings(nodes=count, rounds=1), "fedseq", workdir / "run"), "fuzz-share": 0.0,
               "min-available-nodes": count, "round-timeout": 600.0}
@@ -633,7 +645,9 @@ def _measure_capacity(session: FlowerSession, count: int, workdir: Path, idle_se
         row.update(ok=False, error=str(error).splitlines()[0])
     finally:
         row["fedseq_round_seconds"] = round(time.monotonic() - started, 1)
-        row["peak_rss_mib_per_node"] = round(peak.stop() / count / 2**20, 1)
+        rss, pss = peak.stop()
+        row["peak_rss_mib_per_node"] = round(rss / count / 2**20, 1)
+        row["peak_pss_mib_per_node"] = round(pss / count / 2**20, 1)
     return row
 
 
@@ -659,28 +673,38 @@ def _cpu(process: psutil.Process) -> float:
         return 0.0
 
 
+def resident_memory(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of a process in bytes, from /proc/<pid>/smaps_rollup ((0, 0) once it is gone)."""
+    figures = {"Rss:": 0, "Pss:": 0}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as rollup:
+            for line in rollup:
+                field, *rest = line.split()
+                if field in figures:
+                    figures[field] = int(rest[0]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return figures["Rss:"], figures["Pss:"]
+
+
 class _Peak:
-    """The largest resident memory of a session's nodes, sampled every 0.5 s in a thread."""
+    """The largest summed RSS and PSS of a session's nodes, sampled every second in a thread."""
 
     def __init__(self, session: FlowerSession) -> None:
-        self.session, self.peak, self._done = session, 0, threading.Event()
+        self.session, self.rss, self.pss, self._done = session, 0, 0, threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
-        while not self._done.wait(0.5):
-            total = 0
-            for process in _family(self.session):
-                try:
-                    total += process.memory_info().rss
-                except psutil.NoSuchProcess:
-                    continue
-            self.peak = max(self.peak, total)
+        while not self._done.wait(1.0):
+            sampled = [resident_memory(process.pid) for process in _family(self.session)]
+            self.rss = max(self.rss, sum(rss for rss, _ in sampled))
+            self.pss = max(self.pss, sum(pss for _, pss in sampled))
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, int]:
         self._done.set()
         self._thread.join()
-        return self.peak
+        return self.rss, self.pss
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..models import SplitModel, build_model
+from .sgd import SGD
 
 ENCODER_PREFIX = "encoder."
 ENCODERS_PREFIX = "encoders."
@@ -407,7 +408,7 @@ def train_classifier(
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     classifier.train()
-    optimizer = torch.optim.SGD(classifier.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    optimizer = SGD(classifier.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     order = torch.randperm(len(labels), generator=generator)
     position, total = 0, 0.0
     for _ in range(steps):

@@ -21,6 +21,7 @@ superclients, each a list of client indices.
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ GROUPINGS = ("greedy", "kmeans", "random")
 GREEDY_MERGES = ("half", "weighted")
 CLF_LAYERS = ("all", "last2", "last")
 CONF_NORMALIZATIONS = ("sum", "softmax")
+DISTRIBUTION_METRICS = ("kl", "wasserstein", "gini")  # the metrics τ that compare distributions
 PCA_VARIANCE = 0.9
 # Added to every probability before a KL divergence so that zeros (a class a model never
 # predicts) give a large but finite divergence.
@@ -218,25 +220,172 @@ def greedy_grouping(
     remaining clients (ties: the lowest index), then D_S is updated by `merge_distribution`.
     With `half` the weight of the first members halves at every addition, so after ~7 clients
     a class covered early can look as absent as an uncovered one; `weighted` does not forget.
+
+    Each addition ranks every remaining client at once (`CandidateScores`: a few numpy
+    operations over all of them) and evaluates τ by its scalar definition only for the
+    clients that rounding could still make the best: the choices, ties included, are those of
+    evaluating τ for every client, at O(n) numpy work per addition instead of O(n) Python calls
+    (10,000 clients group in seconds, not minutes).
     """
     vectors = np.asarray(vectors, dtype=np.float64)
-    remaining = list(range(len(vectors)))
+    candidates = CandidateScores(metric, vectors, sizes, merge)
+    remaining = list(range(len(vectors)))  # ascending, as the estimates' clients
     groups: Grouping = []
     while remaining:
         seed = remaining.pop(int(rng.integers(len(remaining))))
+        candidates.remove(seed)
         group, merged, samples = [seed], vectors[seed].copy(), sizes[seed]
         while remaining and _open(samples, len(group), min_samples, max_clients):
-            if metric == "gini":  # the Gini index of the merge this grouping would really make
-                merges = (merge_distribution(merged, samples, vectors[j], sizes[j], merge) for j in remaining)
-                scores = [1.0 - gini_index(candidate) for candidate in merges]
-            else:
-                scores = [dissimilarity(metric, vectors[j], merged) for j in remaining]
-            chosen = remaining.pop(int(np.argmax(scores)))
+            chosen = candidates.most_different(merged, samples)
+            remaining.pop(bisect.bisect_left(remaining, chosen))
+            candidates.remove(chosen)
             group.append(chosen)
             merged = merge_distribution(merged, samples, vectors[chosen], sizes[chosen], merge)
             samples += sizes[chosen]
         groups.append(group)
     return absorb_leftovers(groups, sizes, min_samples, max_clients)
+
+
+# Rounding slack of the estimates, per unit of a score's scale and per term summed (16 units in the
+# last place: several times the worst case of the sums and products involved).
+ROUNDING = 8 * np.finfo(np.float64).eps
+# Added to every bound, so that scores near zero (underflowing terms) never escape it.
+ROUNDING_FLOOR = 1e-150
+
+
+class CandidateScores:
+    """The greedy grouping's choice among the remaining clients: argmax_j τ(D̃_j, D_S).
+
+    `most_different` estimates τ for every remaining client with a few numpy operations, each
+    estimate with a bound on how far rounding can put it from the scalar metric's value
+    (`METRICS`, or the Gini score of the merge): KL as Σp·log p − p·log q with the first sum
+    computed once per client, cosine and Euclidean from row-wise products, Wasserstein from
+    the cumulative distributions, Gini from the sorted candidate merges. A client whose
+    estimate plus its bound falls below the largest estimate minus its bound cannot be the
+    best; the few that can (usually one) are scored by the scalar definition, and the best of
+    them (ties: the lowest index) is chosen, exactly as scoring every client would choose.
+
+    Clients with identical inputs get identical scalar scores, so each distinct input is
+    scored once (one-class clients tie by the hundreds). Vectors outside what the estimates
+    cover (non-finite values; negative entries or a zero sum for the distribution metrics
+    `kl`, `wasserstein` and `gini`) are scored by the scalar definition for every client, which
+    also raises the scalar metric's own errors.
+
+    Raises ValueError for an unknown `metric` or `merge`.
+    """
+
+    def __init__(self, metric: str, vectors: np.ndarray, sizes: Sequence[int], merge: str) -> None:
+        if metric not in METRICS:
+            raise ValueError(f"metric must be one of {tuple(METRICS)}, got {metric!r}")
+        if merge not in GREEDY_MERGES:
+            raise ValueError(f"merge must be one of {GREEDY_MERGES}, got {merge!r}")
+        self.metric, self.merge = metric, merge
+        self.vectors = np.asarray(vectors, dtype=np.float64)
+        self.sizes = sizes
+        n = len(self.vectors)
+        self.clients = np.arange(n)
+        self._alive = np.ones(n, dtype=bool)
+        self._rows: dict[str, np.ndarray] = self._prepare() if self._estimable() else {}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def remove(self, client: int) -> None:
+        """`client` joined a superclient: it is no candidate any more."""
+        self._alive[np.searchsorted(self.clients, client)] = False
+        if 2 * np.count_nonzero(self._alive) < len(self._alive):  # keep the arrays about as long as the candidates
+            keep = self._alive
+            self.clients = self.clients[keep]
+            self._rows = {name: rows[keep] for name, rows in self._rows.items()}
+            self._alive = np.ones(len(self.clients), dtype=bool)
+
+    def most_different(self, merged: np.ndarray, samples: float) -> int:
+        """The remaining client the scalar τ(D̃_j, D_S) ranks first (ties: the lowest index)."""
+        clients = self.clients[self._alive]
+        finalists = clients
+        if self._rows:
+            values, errors = self._estimate(merged, samples)
+            values, errors = values[self._alive], errors[self._alive]
+            if np.isfinite(values).all() and np.isfinite(errors).all():
+                finalists = clients[values + errors >= np.max(values - errors)]
+        if len(finalists) == 1:
+            return int(finalists[0])
+        # Identical inputs score identically: one scalar evaluation per distinct input.
+        inputs = self.vectors[finalists]
+        if self.metric == "gini" and self.merge == "weighted":
+            inputs = np.column_stack([inputs, np.asarray(self.sizes, dtype=np.float64)[finalists]])
+        distinct, first, inverse = np.unique(
+            np.ascontiguousarray(inputs).view(f"V{inputs.shape[1] * 8}").ravel(), return_index=True, return_inverse=True
+        )
+        scores = np.array([self._scalar(int(finalists[i]), merged, samples) for i in first])[inverse.ravel()]
+        assert len(distinct) == len(first)
+        return int(finalists[int(np.argmax(scores))])
+
+    def _scalar(self, client: int, merged: np.ndarray, samples: float) -> float:
+        """τ of one client by the definition (what every estimate is checked against)."""
+        if self.metric == "gini":  # the Gini index of the merge this grouping would really make
+            return 1.0 - gini_index(merge_distribution(merged, samples, self.vectors[client], self.sizes[client], self.merge))
+        return dissimilarity(self.metric, self.vectors[client], merged)
+
+    # ------------------------------------------------------------------ estimates
+    def _estimable(self) -> bool:
+        if not np.isfinite(self.vectors).all():
+            return False
+        if self.metric in DISTRIBUTION_METRICS:
+            return bool((self.vectors >= 0).all() and (self.vectors.sum(axis=1) > 0).all())
+        return True
+
+    def _prepare(self) -> dict[str, np.ndarray]:
+        """Per-client arrays the estimates reuse at every addition."""
+        v = self.vectors
+        if self.metric == "kl":
+            p = v + KL_SMOOTHING
+            p = p / p.sum(axis=1, keepdims=True)
+            log_p = np.log(p)
+            return {"p": p, "entropy": np.sum(p * log_p, axis=1), "scale": np.sum(p * np.abs(log_p), axis=1)}
+        if self.metric == "cosine":
+            return {"v": v, "abs": np.abs(v), "squares": np.einsum("ij,ij->i", v, v)}
+        if self.metric == "wasserstein":
+            cumulative = np.cumsum(v, axis=1)
+            return {"cdf": cumulative[:, :-1] / cumulative[:, -1:]}
+        if self.metric == "gini":
+            return {"v": v, "sizes": np.asarray(self.sizes, dtype=np.float64)}
+        return {"v": v}  # euclidean
+
+    def _estimate(self, merged: np.ndarray, samples: float) -> tuple[np.ndarray, np.ndarray]:
+        """(estimate of τ, bound on |estimate − scalar τ|) for every row."""
+        rows, classes = self._rows, len(merged)
+        if self.metric == "kl":
+            q = np.asarray(merged, dtype=np.float64) + KL_SMOOTHING
+            log_q = np.log(q / q.sum())
+            values = rows["entropy"] - rows["p"] @ log_q
+            errors = ROUNDING * (classes + 4) * (rows["scale"] + rows["p"] @ np.abs(log_q) + 1.0)
+        elif self.metric == "cosine":
+            m = np.asarray(merged, dtype=np.float64)
+            norms = np.sqrt(rows["squares"] * float(m @ m))
+            with np.errstate(divide="ignore", invalid="ignore"):  # a zero vector: not finite, scored exactly
+                values = np.clip(1.0 - (rows["v"] @ m) / norms, 0.0, 2.0)
+                errors = ROUNDING * (classes + 4) * ((rows["abs"] @ np.abs(m)) / norms + 1.0)
+        elif self.metric == "euclidean":
+            difference = rows["v"] - merged
+            values = np.sqrt(np.einsum("ij,ij->i", difference, difference))
+            errors = ROUNDING * (classes + 4) * values
+        elif self.metric == "wasserstein":
+            cumulative = np.cumsum(merged)
+            gaps = np.abs(rows["cdf"] - cumulative[:-1] / cumulative[-1])
+            values = gaps.sum(axis=1)
+            errors = ROUNDING * (2 * classes + 4) * (values + 2.0 * classes)
+        else:  # gini of each candidate merge, from its sorted values: Σ_a,b |x_a − x_b| = 2·Σ_i (2i − C + 1)·x_(i)
+            if self.merge == "half":
+                merges = 0.5 * merged + 0.5 * rows["v"]
+            else:
+                weights = rows["sizes"][:, None]
+                merges = (samples * merged + weights * rows["v"]) / (samples + weights)
+            ranks = 2.0 * np.arange(classes) - classes + 1
+            merges.sort(axis=1)
+            # Non-negative merges (`_estimable`): Σ|x| is the total, so the bound is relative to 1.
+            gini = (merges @ ranks) / (classes * merges.sum(axis=1))
+            values = 1.0 - gini
+            errors = ROUNDING * (classes * classes + classes + 4) * (1.0 + np.abs(gini))
+        return values, errors + ROUNDING_FLOOR
 
 
 def kmeans_grouping(

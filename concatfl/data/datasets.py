@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import gzip
-import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -30,17 +30,14 @@ import struct
 import tarfile
 import tempfile
 import urllib.request
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import numpy as np
-import scipy.io
 import torch
-from PIL import Image
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+
+from .cache import cache_path, computed_once, read_cache, write_cache
 
 __all__ = [
     "DATASETS",
@@ -229,20 +226,43 @@ def _check_labels(name: str, y: np.ndarray, num_classes: int, source: object) ->
 
 
 def _load_digits() -> LoadedData:
+    """scikit-learn's 8×8 digits with a fixed stratified 80/20 split, computed once per machine
+    (`concatfl.data.cache`): a process that finds the split there does not import scikit-learn."""
+    split = computed_once(cache_path("digits", f"digits\0{_digits_file_signature()}\0split 0.2 stratified 0"), _split_digits)
+    x_tr, y_tr = split["x_train"], split["y_train"]
+    return LoadedData(
+        x_train=torch.from_numpy(x_tr),
+        y_train=torch.from_numpy(y_tr),
+        x_test=torch.from_numpy(split["x_test"]),
+        y_test=torch.from_numpy(split["y_test"]),
+        num_classes=10,
+        mean=(float(x_tr.mean()),),
+        std=(float(x_tr.std()),),
+    )
+
+
+def _digits_file_signature() -> str:
+    """Where scikit-learn keeps the digits (found without importing it), with its size and time."""
+    spec = importlib.util.find_spec("sklearn")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            st = path.stat()
+            return f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
+    return "scikit-learn's digits file not found"  # computing the split will say why
+
+
+def _split_digits() -> dict[str, np.ndarray]:
+    from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
+    from sklearn.model_selection import train_test_split  # pylint: disable=import-outside-toplevel
+
     bunch = load_digits()
     x = (bunch.images / 16.0).astype(np.float32)[:, None, :, :]
     y = bunch.target.astype(np.int64)
     # Fixed split: the test set must not move with the run seed, so results stay comparable.
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, stratify=y, random_state=0)
-    return LoadedData(
-        x_train=torch.from_numpy(x_tr),
-        y_train=torch.from_numpy(y_tr),
-        x_test=torch.from_numpy(x_te),
-        y_test=torch.from_numpy(y_te),
-        num_classes=10,
-        mean=(float(x_tr.mean()),),
-        std=(float(x_tr.std()),),
-    )
+    return {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te}
 
 
 # --------------------------------------------------------------------------- MNIST / FMNIST
@@ -372,6 +392,8 @@ def _load_cifar100(root: Path, labels: str) -> LoadedData:
 
 def _decode_image(data: bytes) -> np.ndarray:
     """Encoded PNG/JPEG bytes → ``(H, W, 3)`` uint8 RGB."""
+    from PIL import Image  # pylint: disable=import-outside-toplevel  # only image trees need it
+
     with Image.open(io.BytesIO(data)) as img:
         return np.asarray(img.convert("RGB"), dtype=np.uint8)
 
@@ -379,30 +401,6 @@ def _decode_image(data: bytes) -> np.ndarray:
 def _is_image_name(name: str) -> bool:
     # Skips hidden files such as macOS "._x.jpg" resource forks that archives often carry.
     return not name.startswith(".") and name.lower().endswith(_IMAGE_SUFFIXES)
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("CONCATFL_CACHE") or Path.home() / ".cache" / "concatfl")
-
-
-def _cache_path(kind: str, signature: str) -> Path:
-    digest = hashlib.sha256(signature.encode()).hexdigest()[:24]
-    return _cache_dir() / f"{kind}-{digest}.npz"
-
-
-def _write_cache(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write atomically (other processes may read the cache concurrently); failure only warns."""
-    tmp: Path | None = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
-            tmp = Path(f.name)
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except OSError as e:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
-        warnings.warn(f"could not write the decoded-image cache {path}: {e}", stacklevel=2)
 
 
 def _assemble_tree(
@@ -453,15 +451,10 @@ def _load_folder_tree(root: Path) -> dict[str, np.ndarray]:
         st = path.stat()
         lines.append(f"{path.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}")
     signature = "\n".join(lines)
-    cache = _cache_path("cifar10-tree", signature)
-    if cache.is_file():
-        with np.load(cache) as z:
-            return dict(z)
-    arrays = _assemble_tree(
-        ((split, cls, p.name, _decode_image(p.read_bytes())) for split, cls, p in files), root
+    return computed_once(
+        cache_path("cifar10-tree", signature),
+        lambda: _assemble_tree(((split, cls, p.name, _decode_image(p.read_bytes())) for split, cls, p in files), root),
     )
-    _write_cache(cache, arrays)
-    return arrays
 
 
 def _tar_images(archive: Path) -> Iterator[tuple[str, str, str, np.ndarray]]:
@@ -481,15 +474,14 @@ def _tar_images(archive: Path) -> Iterator[tuple[str, str, str, np.ndarray]]:
 def _load_tar_tree(archive: Path) -> dict[str, np.ndarray] | None:
     """Arrays of the image tree inside ``archive``, or None if it holds no such tree."""
     st = archive.stat()
-    cache = _cache_path("cifar10-tar", f"tar:{archive}\0{st.st_size}\0{st.st_mtime_ns}")
-    if cache.is_file():
-        with np.load(cache) as z:
-            return dict(z)
+    cache = cache_path("cifar10-tar", f"tar:{archive}\0{st.st_size}\0{st.st_mtime_ns}")
+    if (cached := read_cache(cache)) is not None:
+        return cached
     entries = list(_tar_images(archive))
     if not entries:
         return None
     arrays = _assemble_tree(entries, archive)
-    _write_cache(cache, arrays)
+    write_cache(cache, arrays)
     return arrays
 
 
@@ -550,6 +542,8 @@ def _load_svhn(root: Path) -> LoadedData:
     if folder is None:
         searched = [f"{d}/{{{','.join(_SVHN_FILES)}}}" for d in folders]
         raise _not_found("svhn", root, searched, _download_hint("svhn"))
+    import scipy.io  # pylint: disable=import-outside-toplevel  # only SVHN needs it
+
     arrays = []
     for file in _SVHN_FILES:
         path = folder / file

@@ -10,23 +10,23 @@ Every scheme is deterministic given `seed`, and every client gets at least one s
 - `natural`: FEMNIST writers (`NaturalIdPartitioner`); client i gets writers i, i+N, i+2N, … of
   the sorted writer list, so any number of clients up to the number of writers works.
 Each client's partition is then split into a local train and a local test part.
+
+The partitions of a training set are computed once per machine and kept in concatfl's cache
+(`concatfl.data.cache`, keyed by the labels' digest and every setting): a ClientApp that finds
+them never imports flwr-datasets (with HF datasets, pandas, pyarrow and matplotlib, ~0.2 GB).
 """
 
 from __future__ import annotations
 
+import hashlib
 import warnings
+from importlib.metadata import version
 from logging import WARNING
 
 import numpy as np
-from datasets import Dataset
 from flwr.supercore import log
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    IidPartitioner,
-    NaturalIdPartitioner,
-    Partitioner,
-    PathologicalPartitioner,
-)
+
+from .cache import cache_path, computed_once
 
 
 class PartitionError(ValueError):
@@ -50,6 +50,53 @@ def partition_indices(
         raise PartitionError(f"num-partitions must be >= 1, got {num_partitions}")
     if num_partitions > len(labels):
         raise PartitionError(f"{num_partitions} clients but only {len(labels)} training samples")
+    if scheme == "dirichlet" and alpha > 0:
+        # flwr-datasets gives up when the minimum nears the mean size: cap it at half the mean.
+        minimum = max(1, min(min_partition_size, len(labels) // (2 * num_partitions)))
+        if minimum < min_partition_size:
+            log(
+                WARNING,
+                "min-partition-size=%d lowered to %d (half the mean partition size of %d clients)",
+                min_partition_size, minimum, num_partitions,
+            )
+        min_partition_size = minimum
+    settings = (scheme, alpha, classes_per_client, min_partition_size, seed, num_partitions)
+    inputs = [labels] if writers is None else [labels, np.asarray(writers).astype(str)]
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(x).tobytes() for x in inputs)).hexdigest()
+    signature = f"partition\0{digest}\0{settings}\0flwr-datasets {version('flwr-datasets')}"
+
+    def compute() -> dict[str, np.ndarray]:
+        parts = _compute_partitions(labels, num_partitions, scheme, alpha=alpha, classes_per_client=classes_per_client,
+                                    min_partition_size=min_partition_size, seed=seed, writers=writers)
+        return {"indices": np.concatenate(parts), "offsets": np.cumsum([0] + [len(part) for part in parts])}
+
+    stored = computed_once(cache_path("partition", signature), compute)
+    indices, offsets = stored["indices"], stored["offsets"]
+    return [indices[offsets[i] : offsets[i + 1]] for i in range(num_partitions)]
+
+
+# pylint: disable=import-outside-toplevel
+def _compute_partitions(
+    labels: np.ndarray,
+    num_partitions: int,
+    scheme: str,
+    *,
+    alpha: float,
+    classes_per_client: int,
+    min_partition_size: int,
+    seed: int,
+    writers: np.ndarray | None,
+) -> list[np.ndarray]:
+    """`partition_indices` without the cache: flwr-datasets' partitioners (`min_partition_size`
+    already capped for Dirichlet)."""
+    from datasets import Dataset
+    from flwr_datasets.partitioner import (
+        DirichletPartitioner,
+        IidPartitioner,
+        Partitioner,
+        PathologicalPartitioner,
+    )
+
     table = {"label": labels.tolist(), "index": np.arange(len(labels)).tolist()}
     if scheme == "natural":
         if writers is None:
@@ -60,19 +107,11 @@ def partition_indices(
     if scheme == "iid":
         partitioner = IidPartitioner(num_partitions=num_partitions)
     elif scheme == "dirichlet" and alpha > 0:
-        # flwr-datasets gives up when the minimum nears the mean size: cap it at half the mean.
-        minimum = max(1, min(min_partition_size, len(labels) // (2 * num_partitions)))
-        if minimum < min_partition_size:
-            log(
-                WARNING,
-                "min-partition-size=%d lowered to %d (half the mean partition size of %d clients)",
-                min_partition_size, minimum, num_partitions,
-            )
         partitioner = DirichletPartitioner(
             num_partitions=num_partitions,
             partition_by="label",
             alpha=alpha,
-            min_partition_size=minimum,
+            min_partition_size=min_partition_size,
             self_balancing=True,
             shuffle=True,
             seed=seed,
@@ -118,6 +157,9 @@ def partition_indices(
 
 
 def _natural(labels: np.ndarray, writers: np.ndarray, num_partitions: int) -> list[np.ndarray]:
+    from datasets import Dataset
+    from flwr_datasets.partitioner import NaturalIdPartitioner
+
     partitioner = NaturalIdPartitioner(partition_by="writer")
     partitioner.dataset = Dataset.from_dict(
         {"writer": writers.astype(str).tolist(), "index": np.arange(len(labels)).tolist()}

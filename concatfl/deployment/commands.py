@@ -1,6 +1,6 @@
-"""How concatfl starts Flower's processes: the SuperLink, the fleet door in front of it, SuperNodes,
-the warm executor, with their environment, TLS and SuperNode-authentication flags (natively, in
-tests, scripts and the bench, and in docker-compose.yml, whose commands tests/test_compose.py
+"""How concatfl starts Flower's processes: the SuperLink, the fleet door in front of it, SuperNodes
+(with the warm executor), with their environment, TLS and SuperNode-authentication flags (natively,
+in tests, scripts and the bench, and in docker-compose.yml, whose commands tests/test_compose.py
 compares with these)."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ OPERATOR_PORT = 9093
 FLEET_DOOR_PORT = 8000
 
 # How a SuperNode runs its ClientApp tasks: Flower's SuperExec (a new process per message) or
-# concatfl's warm executor (one long-lived process per SuperNode, deployment/warm_executor.py) beside
-# a SuperNode with short fixed waits (deployment/supernode.py).
+# concatfl's warm executor (one long-lived process per SuperNode, deployment/warm_executor.py) run by
+# the SuperNode launcher in its own process (deployment/supernode.py).
 EXECUTORS = ("stock", "warm")
 
 
@@ -154,13 +154,17 @@ def supernode_command(
     `port` is the SuperNode's own Runtime API port (one per SuperNode on a host); `security`
     comes from `supernode_security`; `node_config` adds `key=value` pairs for the ClientApp.
     `executor` is "stock" (Flower's `flower-supernode`, which starts Flower's SuperExec: a new
-    ClientApp process per message) or "warm" (concatfl's SuperNode launcher, Flower's SuperNode
-    with short fixed waits (concatfl/deployment/supernode.py), with `--isolation process`:
-    `warm_executor_command` runs its ClientApp tasks).
+    ClientApp process per message) or "warm" (concatfl's SuperNode launcher with
+    `--warm-executor`: Flower's SuperNode with short waits that runs concatfl's warm executor in
+    its own process, one long-lived ClientApp process for all tasks; concatfl/deployment/supernode.py).
     """
     check_executor(executor)
     command = [
-        *([sys.executable, "-m", "concatfl.deployment.supernode"] if executor == "warm" else ["flower-supernode"]),
+        *(
+            [sys.executable, "-m", "concatfl.deployment.supernode", "--warm-executor"]
+            if executor == "warm"
+            else ["flower-supernode"]
+        ),
         *security,
         f"--superlink={superlink}",
         f"--port={port}",
@@ -169,8 +173,6 @@ def supernode_command(
     ]
     if health_address is not None:
         command.append(f"--health-server-address={health_address}")
-    if executor == "warm":
-        command.append("--isolation=process")
     return command
 
 
@@ -178,20 +180,6 @@ def check_executor(executor: str) -> None:
     """Raise ValueError unless `executor` is one of EXECUTORS."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
-
-
-def warm_executor_command(runtime_api_port: int, supernode_pid: int) -> list[str]:
-    """concatfl's warm ClientApp executor for the SuperNode whose Runtime API listens on
-    127.0.0.1:`runtime_api_port` (it exits with the SuperNode `supernode_pid`); see
-    concatfl/deployment/warm_executor.py."""
-    return [
-        sys.executable,
-        "-m",
-        "concatfl.deployment.warm_executor",
-        f"--runtime-api-address=127.0.0.1:{runtime_api_port}",
-        "--insecure",
-        f"--parent-pid={supernode_pid}",
-    ]
 
 
 def fleet_door_command(config: str | os.PathLike) -> list[str]:

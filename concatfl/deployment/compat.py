@@ -1,7 +1,7 @@
 """Whether Flower's code still has the shape that concatfl's deployment modules adjust.
 
 Three modules lean on Flower internals: the SuperNode launcher replaces the fixed sleeps and the
-object-pull backoff of Flower's SuperNode loop, `StableNodeGrid` the reply-object backoff of
+object-pull backoff of Flower's SuperNode loop and follows its message step, `StableNodeGrid` the reply-object backoff of
 Flower's deployment grid, and the warm executor runs the steps of `flwr-clientapp` itself. Each
 checks the *shape* of the code it depends on, read from the installed Flower's source, instead of
 a version number: a Flower release (1.42.1, …) whose code still has that shape gets the
@@ -21,6 +21,8 @@ from .warm_executor import SHORT_PULL_BACKOFF
 VERIFIED_WITH = "1.42.0"
 # The SuperNode loop's fixed sleeps, as written in flwr/supernode/start_client_internal.py.
 SUPERNODE_SLEEPS = [0.5, 0.5, 3]
+# The SuperNode loop's step that pulls and stores a message (returns its run id, None when none came).
+MESSAGE_STEP = "_pull_and_store_message"
 # What the warm executor takes from Flower: module → the functions it calls, with the parameters
 # it passes (by name or, first, by position).
 CLIENTAPP_STEPS = {
@@ -65,6 +67,9 @@ def supernode_loop_problem(module: types.ModuleType) -> str | None:
         return "a sleep whose duration is not a constant"
     if sleeps != SUPERNODE_SLEEPS:
         return f"fixed sleeps {sleeps}, expected {SUPERNODE_SLEEPS}"
+    steps = calls(module, MESSAGE_STEP)
+    if not callable(getattr(module, MESSAGE_STEP, None)) or len(steps) != 1:
+        return f"{len(steps)} calls of {MESSAGE_STEP}, expected 1 (the loop's step that stores a message)"
     return _default_backoff_pull(module)
 
 

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
@@ -32,16 +33,26 @@ def in_namespace(command: list[str], netns: str | None) -> list[str]:
 
 
 def stop_process_tree(process: subprocess.Popen[bytes]) -> None:
-    """Stop a process and all its descendants.
+    """Stop a process and all its descendants (`stop_process_trees`)."""
+    stop_process_trees([process])
+
+
+def stop_process_trees(processes: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Stop processes and all their descendants, all at once.
 
     The SuperLink starts the simulation runtime in a session of its own, so killing the
-    process group is not enough: every descendant is collected first, then terminated.
+    process group is not enough: every descendant is collected first, then terminated. Every
+    process is terminated before any is waited for, so stopping takes at most ~30 s however
+    many there are (one after another, a capacity sweep's sixteen SuperNodes with their
+    executors could take minutes: longer than `timeout -k` waits before its SIGKILL, which left
+    them all running).
     """
-    try:
-        root = psutil.Process(process.pid)
-        family = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
+    roots, family = [], []
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(process.pid)
+            roots.append(process)
+            family += [root, *root.children(recursive=True)]
     for member in family:
         with contextlib.suppress(psutil.NoSuchProcess):
             member.terminate()
@@ -50,7 +61,8 @@ def stop_process_tree(process: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             member.kill()
     psutil.wait_procs(alive, timeout=10)
-    process.wait(timeout=10)
+    for process in roots:
+        process.wait(timeout=10)
 
 
 def kill_process_tree(process: subprocess.Popen[bytes]) -> None:

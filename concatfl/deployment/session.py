@@ -1,9 +1,10 @@
-"""`FlowerSession`: a private SuperLink (simulation or deployment), the SuperNodes and warm
-executors started for it, and the `flwr` CLI pointed at it; everything it started is stopped when
+"""`FlowerSession`: a private SuperLink (simulation or deployment), the SuperNodes (with their warm
+executors) started for it, and the `flwr` CLI pointed at it; everything it started is stopped when
 the session ends, however it ends."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -20,9 +21,8 @@ from .commands import (
     fleet_door_env,
     superlink_command,
     supernode_command,
-    warm_executor_command,
 )
-from .processes import free_port, in_namespace, kill_process_tree, stop_process_tree, wait_for_port
+from .processes import free_port, in_namespace, kill_process_tree, stop_process_trees, wait_for_port
 
 LOOPBACK = "127.0.0.1"
 
@@ -58,8 +58,8 @@ class FlowerSession(FlowerCli):
         The SuperLink's state database (`superlink_command`); None keeps it in memory.
     executor : str (default: "stock")
         How SuperNodes run ClientApp tasks (one of EXECUTORS): "stock" is Flower's SuperNode and
-        SuperExec, "warm" is concatfl's warm executor started next to every SuperNode, which runs
-        with short fixed waits (concatfl/deployment/supernode.py).
+        SuperExec, "warm" is concatfl's SuperNode launcher with short waits that runs the warm
+        executor in its own process (concatfl/deployment/supernode.py).
     """
 
     # pylint: disable=too-many-arguments
@@ -95,7 +95,6 @@ class FlowerSession(FlowerCli):
             env={"RAY_TMPDIR": str(self.ray_tmpdir), **(env or {})},
         )
         self.executor = executor
-        self.executors: dict[int, subprocess.Popen[bytes]] = {}
         self.simulation = simulation
         self.host = host
         self.superlink_netns = superlink_netns
@@ -157,15 +156,15 @@ class FlowerSession(FlowerCli):
 
     def __exit__(self, *exc: object) -> None:
         self.closed = True
-        interrupted: BaseException | None = None
-        for process in reversed(self.processes):
-            try:
-                stop_process_tree(process)
-            except BaseException as error:  # pylint: disable=broad-exception-caught
-                interrupted = interrupted or error  # stop the others first (a second Ctrl-C, …)
-        shutil.rmtree(self.ray_tmpdir, ignore_errors=True)
-        if interrupted is not None:
-            raise interrupted
+        try:
+            stop_process_trees(list(reversed(self.processes)))
+        except BaseException:  # interrupted (a second Ctrl-C, …): no more waiting, kill what is left
+            for process in self.processes:
+                with contextlib.suppress(Exception):
+                    kill_process_tree(process)
+            raise
+        finally:
+            shutil.rmtree(self.ray_tmpdir, ignore_errors=True)
 
     def spawn(
         self, command: list[str], log_name: str, netns: str | None = None, env: Mapping[str, str] | None = None
@@ -199,8 +198,8 @@ class FlowerSession(FlowerCli):
 
         `security` comes from `supernode_security`; the SuperNode runs in `netns` when given
         and logs to `log_name` (default `supernode-<partition_id>.log`, appended to on restart).
-        With the warm executor, its executor starts beside it (same namespace; log
-        `warm-executor-<partition_id>.log`; in `self.executors[partition_id]`) and exits with it.
+        With the warm executor, the executor's records (`warm_executor.task_records`) are in
+        that log too, and its worker is a child of the SuperNode.
         """
         port = free_port()
         command = supernode_command(
@@ -212,9 +211,4 @@ class FlowerSession(FlowerCli):
             node_config=node_config,
             executor=self.executor,
         )
-        supernode = self.spawn(command, log_name or f"supernode-{partition_id}.log", netns=netns)
-        if self.executor == "warm":
-            self.executors[partition_id] = self.spawn(
-                warm_executor_command(port, supernode.pid), f"warm-executor-{partition_id}.log", netns=netns
-            )
-        return supernode
+        return self.spawn(command, log_name or f"supernode-{partition_id}.log", netns=netns)

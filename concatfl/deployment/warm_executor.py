@@ -2,8 +2,11 @@
 
 Flower 1.42 starts a new `flwr-clientapp` process for every message a SuperNode receives: each
 pays interpreter start, imports (torch, flwr, the app), data loading and a cold first step,
-seconds per message. This executor takes the SuperExec's place next to a SuperNode started with
-`--isolation process`:
+seconds per message. This executor takes the SuperExec's place. concatfl's SuperNode launcher
+runs it in the SuperNode's own process (`python -m concatfl.deployment.supernode --warm-executor
+...`: the loop wakes it for every message it stores, so it never polls while idle); beside any
+SuperNode started with `--isolation process` it runs as a process of its own, polling every
+`--poll-interval` seconds:
 
     flower-supernode --isolation process --port 9094 --superlink ... --node-config ...
     python -m concatfl.deployment.warm_executor --runtime-api-address 127.0.0.1:9094 --insecure
@@ -25,6 +28,7 @@ Flower's guarantees, kept:
   heartbeat expires, and later tasks run in the new worker;
 - a task of another app version (a different FAB hash) gets a fresh worker: Python caches the
   imported modules, so a worker never runs two FABs;
+- a worker whose supervisor's process ended (its SuperNode killed) exits (`exit_with_parent`);
 - on a Flower whose ClientApp steps changed shape (`concatfl.deployment.compat`), the executor
   runs Flower's own `flower-superexec` instead, with a warning.
 
@@ -370,17 +374,18 @@ class Worker:
         """Whether the worker process still runs."""
         return self.process.poll() is None
 
-    def stop(self) -> None:
-        """End the worker (closing its stdin ends its loop; terminate if it does not)."""
+    def stop(self, grace: float = 10.0) -> None:
+        """End the worker: closing its stdin ends its loop; terminate it if it has not ended
+        within `grace` seconds, kill it if it has not within as many again."""
         with contextlib.suppress(BrokenPipeError):
             if self.process.stdin is not None:
                 self.process.stdin.close()
         try:
-            self.process.wait(timeout=10)
+            self.process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             self.process.terminate()
             try:
-                self.process.wait(timeout=10)
+                self.process.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
@@ -396,11 +401,16 @@ class Supervisor:
         The SuperNode's Runtime API.
     poll_interval : float
         Seconds between two `AcquireTask` calls while no task is pending.
+    wake : threading.Event | None (default: None)
+        Set by the SuperNode when it has stored a message (concatfl's SuperNode launcher, which
+        runs this supervisor in its own process): the supervisor claims the task at once, and
+        polls only every `poll_interval` seconds while it is not set. None: poll.
     """
 
-    def __init__(self, connection: RuntimeConnection, poll_interval: float) -> None:
+    def __init__(self, connection: RuntimeConnection, poll_interval: float, wake: threading.Event | None = None) -> None:
         self.connection = connection
         self.poll_interval = poll_interval
+        self.wake = wake or threading.Event()
         self.worker: Worker | None = None
         self.last_app: AppRef | None = None
 
@@ -419,10 +429,17 @@ class Supervisor:
                 if claimed.HasField("task") and claimed.token:
                     self.dispatch(claimed.token, claimed.task.fab_hash, claimed.task.task_id)
                 else:
-                    time.sleep(self.poll_interval)
+                    # Cleared after waking and before the next claim: a wake that comes later is kept.
+                    self.wake.wait(self.poll_interval)
+                    self.wake.clear()
         finally:
             client.close()
             self.worker.stop()
+
+    def stop(self, grace: float = 2.0) -> None:
+        """End the worker (within `grace` seconds, then by force): its SuperNode is exiting."""
+        if self.worker is not None:
+            self.worker.stop(grace)
 
     def dispatch(self, token: str, fab_hash: str, task_id: int) -> None:
         """Run one claimed task in a fitting, live worker; replace the worker if it dies."""
@@ -530,9 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             log(WARNING, "this Flower's ClientApp steps differ from those the warm executor runs (%s); "
                 "running Flower's own flower-superexec instead", problem)
             os.execvp("flower-superexec", stock_superexec_command(args))
-    # pylint: disable=import-outside-toplevel
-    from flwr.supercore.app_utils import start_parent_process_monitor
-    from flwr.supercore.auth.superexec_secret import load_superexec_auth_secret
+    from flwr.supercore.auth.superexec_secret import load_superexec_auth_secret  # pylint: disable=import-outside-toplevel
 
     connection = RuntimeConnection(
         args.runtime_api_address,
@@ -542,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.worker:
         if args.parent_pid is not None:
-            start_parent_process_monitor(args.parent_pid)  # SIGINT when the supervisor is gone
+            threading.Thread(target=exit_with_parent, args=(args.parent_pid,), daemon=True).start()
         worker_main(connection, args.reply_fd, args.preload)
         return 0
     supervisor = Supervisor(connection, args.poll_interval)
@@ -554,6 +569,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def exit_with_parent(parent_pid: int, interval: float = 0.2, grace: float = 2.0) -> None:
+    """End this process (a worker) once its parent `parent_pid` (its supervisor: the warm
+    executor, or the SuperNode that runs one) has ended: SIGINT, and after `grace` seconds an
+    immediate exit. A task cut short by the SIGINT would otherwise try to push its reply to the
+    gone SuperNode, retrying for minutes in its `finally`.
+
+    A process whose parent ends is given another parent at once, so the check is one
+    `getppid()` per `interval`, and a parent that has ended but was not yet reaped (a zombie,
+    which still "exists" for `kill(pid, 0)`, Flower's own check) counts as ended.
+    """
+    while os.getppid() == parent_pid:
+        time.sleep(interval)
+    signal.raise_signal(signal.SIGINT)
+    time.sleep(grace)
+    os._exit(128 + signal.SIGINT)
 
 
 def stop_with_parent(parent_pid: int, supervisor: Supervisor) -> None:
