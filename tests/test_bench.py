@@ -16,9 +16,9 @@ import pytest
 from concatfl.bench import BenchError, get_suite, run_suite, write_report
 from concatfl.bench.__main__ import main
 from concatfl.bench.columns import FINAL_ACCURACY_PERCENT, TOTAL_MEGABYTES
-from concatfl.bench.data import Subsample, describe, write_subsample
+from concatfl.bench.data import Subsample, describe, shown_path, write_subsample
 from concatfl.bench.report import Summary, curve_figure, gain_over_baseline, load_runs, mean_curve, plot_curves
-from concatfl.bench.runner import cell_config
+from concatfl.bench.runner import cell_config, suite_command
 from concatfl.bench.suites import BLUEPRINTS, PAPER, SCALES, SUITE_NAMES, Cell, Setting, Suite
 from concatfl.config import RunConfig
 from concatfl.data.datasets import load_dataset
@@ -380,6 +380,13 @@ def test_cifar10_subsample_is_pickles_and_a_jpeg_copy_is_called_lossy(tmp_path):
     jpeg_tree.mkdir(parents=True)
     (jpeg_tree / "0001.jpg").write_bytes(b"\xff\xd8")
     assert "LOSSY JPEG copy" in describe("cifar10", tmp_path / "jpeg")
+
+
+def test_reports_name_paths_relative_to_the_repository_and_no_interpreter_path():
+    assert shown_path(PROJECT_DIR / "results" / "overhead" / "deploy-latency.json") == "results/overhead/deploy-latency.json"
+    assert shown_path(PROJECT_DIR.parent / "shared" / "data") == "../shared/data"
+    assert shown_path("/usr/share/datasets/fashion-mnist") == "/usr/share/datasets/fashion-mnist"
+    assert suite_command("scale", ["--data-dir", "../shared/data"]) == "python -m concatfl.bench scale --data-dir ../shared/data"
 
 
 @pytest.mark.e2e

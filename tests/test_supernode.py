@@ -22,7 +22,13 @@ import pytest
 
 import concatfl.deployment.supernode as supernode
 from concatfl.deployment.grid import StableNodeGrid, use_short_reply_backoff
-from concatfl.deployment.compat import calls, clientapp_steps_problem, grid_pull_problem, supernode_loop_problem
+from concatfl.deployment.compat import (
+    PULL_BACKOFF_KEYWORDS,
+    calls,
+    clientapp_steps_problem,
+    grid_pull_problem,
+    supernode_loop_problem,
+)
 from concatfl.deployment.warm_executor import SHORT_PULL_BACKOFF
 
 from .fakes import FakeGrid
@@ -36,6 +42,7 @@ def test_the_installed_flower_has_the_shape_every_adjustment_expects():
     assert supernode_loop_problem(SUPERNODE_LOOP) is None
     assert grid_pull_problem(http_grid) is None
     assert clientapp_steps_problem() is None
+    assert set(SHORT_PULL_BACKOFF) == PULL_BACKOFF_KEYWORDS  # what the pull check looks for
 
 
 def changed_loop(source: str) -> types.ModuleType:

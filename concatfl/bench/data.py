@@ -9,6 +9,7 @@ table's header repeats it.
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 import struct
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from sklearn.model_selection import train_test_split
 
+from .. import PROJECT_DIR
 from ..data.datasets import LoadedData, load_dataset
 
 NOTE_FILE = "SOURCE.txt"
@@ -38,6 +40,16 @@ class Subsample:
     test: int
 
 
+def shown_path(path: str | Path) -> str:
+    """`path` as a report shows it: relative to the repository when it lies in the repository's
+    folder or beside it (`results/overhead/…`, `../shared/data`), so no report names the
+    measuring machine's folders; a system path (`/usr/share/datasets/…`) as it is."""
+    resolved = Path(path).resolve()
+    if not resolved.is_relative_to(PROJECT_DIR.parent):
+        return str(resolved)
+    return os.path.relpath(resolved, PROJECT_DIR)
+
+
 def describe(dataset: str, data_dir: str | Path) -> str | None:
     """One line on where a run's data came from (None for the embedded digits).
 
@@ -48,21 +60,22 @@ def describe(dataset: str, data_dir: str | Path) -> str | None:
     if dataset == "digits":
         return None
     root = Path(data_dir)
+    shown = shown_path(root)
     if (root / NOTE_FILE).is_file():
         return (root / NOTE_FILE).read_text().strip()
     label = LABELS.get(dataset, dataset)
     if dataset != "cifar10":
-        return f"{label}: files under {root}"
+        return f"{label}: files under {shown}"
     if (root / "cifar-10-batches-py").is_dir():
-        return f"{label}: the original python pickles under {root}"
+        return f"{label}: the original python pickles under {shown}"
     if _holds_jpeg(root):
         return (
-            f"{label}: a LOSSY JPEG copy under {root}, not the original pixels (the offline copy "
+            f"{label}: a LOSSY JPEG copy under {shown}, not the original pixels (the offline copy "
             "cifar10-jpeg-q75.tar.gz is JPEG quality 75: channel std 0.245/0.243/0.261 instead of "
             "0.247/0.244/0.262, original sample order lost); accuracies are not strictly comparable "
             "with results on the original CIFAR-10"
         )
-    return f"{label}: an image tree or archive under {root}"
+    return f"{label}: an image tree or archive under {shown}"
 
 
 def ensure_available(dataset: str, data_dir: Path) -> LoadedData:

@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -55,9 +54,9 @@ from ..metrics import METRICS_FILE
 from ..runtime import ServerEnv, load_client_data
 from ..strategies.common import weighted_average
 from ..training import train
-from .data import Subsample, write_subsample
+from .data import Subsample, shown_path, write_subsample
 from .overhead_report import PARTS, render_table
-from .runner import DATA_CACHE, simulate_with_flower
+from .runner import DATA_CACHE, simulate_with_flower, suite_command
 
 SUITE = "overhead"
 JSON_FILE = "overhead.json"
@@ -509,7 +508,7 @@ def part_latency(options: Options) -> dict[str, Any]:
         path = (options.suite_dir / "deploy-latency.json").resolve()  # the script runs in the project folder
         command = [sys.executable, str(LATENCY_SCRIPT), "--nodes", str(options.latency_nodes), "--rounds", "1"]
         subprocess.run([*command, "--variants", LATENCY_VARIANTS, "--out", str(path)], check=True, cwd=PROJECT_DIR)
-    return {"source": str(path), **fedseq_latency(json.loads(path.read_text()))}
+    return {"source": shown_path(path), **fedseq_latency(json.loads(path.read_text()))}
 
 
 PART_RUNNERS: dict[str, Callable[[Options], dict[str, Any]]] = {
@@ -610,7 +609,7 @@ def parse_options(argv: Sequence[str]) -> Options:
 def main(argv: Sequence[str]) -> int:
     """Measure the chosen parts, print the table."""
     options = parse_options(argv)
-    command = shlex.join([sys.executable, "-m", "concatfl.bench", SUITE, *argv])
+    command = suite_command(SUITE, argv)
     started = time.perf_counter()
     table = measure(options, command)
     print(table.read_text())

@@ -8,6 +8,7 @@ recorded run config must match the cell's, so results of another scale are never
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import statistics
 import time
@@ -22,6 +23,12 @@ from ..metrics import METRICS_FILE, read_metrics
 from .data import ensure_available, write_subsample
 from .report import write_report
 from .suites import Cell, Suite, slug
+
+
+def suite_command(suite: str, argv: Sequence[str]) -> str:
+    """The command line a report prints for `python -m concatfl.bench <suite> <argv>` (without
+    the measuring machine's interpreter path)."""
+    return shlex.join(["python", "-m", "concatfl.bench", suite, *argv])
 
 DATA_CACHE = "data"  # under --out: the subsamples of the scaled-down suites
 PATH_KEYS = ("data-dir", "fuzz-log")  # folders and files: the same run may have them elsewhere

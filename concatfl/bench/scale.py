@@ -36,10 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,7 +47,7 @@ from typing import Any
 from ..metrics import METRICS_FILE
 from .data import Subsample, write_subsample
 from .overhead import PeakTreeMemory, cpu_model, load_average, simulation_breakdown
-from .runner import DATA_CACHE, simulate_with_flower
+from .runner import DATA_CACHE, simulate_with_flower, suite_command
 
 SUITE = "scale"
 JSON_FILE = "scale.json"
@@ -355,7 +353,7 @@ def parse_options(argv: Sequence[str]) -> Options:
 def main(argv: Sequence[str]) -> int:
     """Measure the cells, print the table."""
     options = parse_options(argv)
-    command = shlex.join([sys.executable, "-m", "concatfl.bench", SUITE, *argv])
+    command = suite_command(SUITE, argv)
     started = time.perf_counter()
     table = run(options, command)
     print(table.read_text())

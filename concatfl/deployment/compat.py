@@ -16,9 +16,10 @@ import importlib
 import inspect
 import types
 
-from .warm_executor import SHORT_PULL_BACKOFF
-
 VERIFIED_WITH = "1.42.0"
+# The keywords of Flower's `pull_objects` that concatfl's backoff (warm_executor.SHORT_PULL_BACKOFF)
+# sets: a pull already called with one of them has a backoff of its own.
+PULL_BACKOFF_KEYWORDS = frozenset({"initial_backoff", "backoff_cap", "max_tries_per_object"})
 # The SuperNode loop's fixed sleeps, as written in flwr/supernode/start_client_internal.py.
 SUPERNODE_SLEEPS = [0.5, 0.5, 3]
 # The SuperNode loop's step that pulls and stores a message (returns its run id, None when none came).
@@ -54,7 +55,7 @@ def _default_backoff_pull(module: types.ModuleType) -> str | None:
     pulls = calls(module, "pull_objects")
     if len(pulls) != 1:
         return f"{len(pulls)} calls of pull_objects, expected 1"
-    if {keyword.arg for keyword in pulls[0].keywords} & set(SHORT_PULL_BACKOFF):
+    if {keyword.arg for keyword in pulls[0].keywords} & PULL_BACKOFF_KEYWORDS:
         return "pull_objects is already called with a backoff of its own"
     return None
 
