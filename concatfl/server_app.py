@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
@@ -101,10 +102,10 @@ def main(grid: Grid, context: Context) -> None:
     torch.manual_seed(config.seed)
     env = ServerEnv.from_config(config)
     strategy = build_strategy(config, env)
+    # A simulation registers all its nodes before the ServerApp starts: nothing to settle.
+    settle = 0.0 if isinstance(grid, InMemoryGrid) else config.start_settle
     grid = StableNodeGrid(grid, identify_timeout=config.timeout)
-    num_nodes = wait_for_start(
-        grid, config.min_available_nodes, config.expected_nodes, config.start_settle, config.start_wait
-    )
+    num_nodes = wait_for_start(grid, config.min_available_nodes, config.expected_nodes, settle, config.start_wait)
 
     initial_arrays = ArrayRecord(env.make_model().state_dict())
     log(
