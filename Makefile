@@ -9,5 +9,7 @@ install:
 demo: install
 	.venv/bin/python -m concatfl.launch --num-supernodes 10 --run-config "output-dir='outputs/demo'"
 
+# Two workers (pytest-xdist): the end-to-end tests spend much of their time waiting on the processes
+# they start; --dist loadfile keeps a file's tests, and a stack its module shares, in one worker.
 test: install
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest -n 2 --dist loadfile

@@ -29,7 +29,7 @@ from concatfl.metrics import read_metrics
 from concatfl import server_app
 from concatfl.server_app import main as server_main
 
-from .e2e import run_simulation
+from .e2e import run_in_process, run_simulation
 from .fakes import BIG_IDS, FakeGrid
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
@@ -206,17 +206,19 @@ def _without_timings(record):
 @pytest.mark.e2e
 def test_simulation_resumes_from_its_checkpoint(tmp_path):
     """Through `flwr run`: each simulation gives its nodes new random Flower ids, so only stable
-    ids let the resumed run pick the clients the uninterrupted one picked."""
+    ids let the resumed run pick the clients the uninterrupted one picked. The uninterrupted run
+    is the same ServerApp and ClientApps in one process (`run_in_process`: the same partitions,
+    seeds and stable ids, without a third simulation's start-up)."""
     fedcat = {"strategy": "fedcat", "fedcat-k": 2, "partition": "dirichlet", "alpha": 0.3, "num-server-rounds": 4}
-    straight = run_simulation(tmp_path / "straight", {**fedcat, "output-dir": str(tmp_path / "a")}, 4)
+    straight = run_in_process(tmp_path / "straight", fedcat, 4)
     first = run_simulation(tmp_path / "first", {**fedcat, "num-server-rounds": 2, "output-dir": str(tmp_path / "b")}, 4)
     resumed = run_simulation(tmp_path / "resumed", {**fedcat, "resume": True, "output-dir": str(tmp_path / "b")}, 4)
 
     assert len(first["rounds"]) == 2 and len(resumed["rounds"]) == 4
     assert [r["copy_to_device"] for r in resumed["rounds"]] == [r["copy_to_device"] for r in straight["rounds"]]
     assert set(straight["rounds"][0]["copy_to_device"]) <= {0, 1, 2, 3}  # partition ids
-    final, continued = load_checkpoint(tmp_path / "a"), load_checkpoint(tmp_path / "b")
-    for key in final.arrays:  # Ray's worker processes: equal up to float nondeterminism
+    final, continued = load_checkpoint(tmp_path / "straight" / "output"), load_checkpoint(tmp_path / "b")
+    for key in final.arrays:  # other processes: equal up to float nondeterminism
         assert torch.allclose(continued.arrays[key], final.arrays[key], atol=1e-5), key
     assert abs(resumed["final_accuracy"] - straight["final_accuracy"]) <= 0.01
 
