@@ -56,7 +56,7 @@ from ..strategies.common import weighted_average
 from ..training import train
 from .data import Subsample, shown_path, write_subsample
 from .overhead_report import PARTS, render_table
-from .runner import DATA_CACHE, simulate_with_flower, suite_command
+from .runner import DATA_CACHE, measure_and_print, simulate_with_flower
 
 SUITE = "overhead"
 JSON_FILE = "overhead.json"
@@ -608,10 +608,4 @@ def parse_options(argv: Sequence[str]) -> Options:
 
 def main(argv: Sequence[str]) -> int:
     """Measure the chosen parts, print the table."""
-    options = parse_options(argv)
-    command = suite_command(SUITE, argv)
-    started = time.perf_counter()
-    table = measure(options, command)
-    print(table.read_text())
-    print(f"overhead wall time: {time.perf_counter() - started:.0f} s; table: {table}")
-    return 0
+    return measure_and_print(SUITE, argv, parse_options, measure)

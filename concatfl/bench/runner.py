@@ -30,6 +30,19 @@ def suite_command(suite: str, argv: Sequence[str]) -> str:
     the measuring machine's interpreter path)."""
     return shlex.join(["python", "-m", "concatfl.bench", suite, *argv])
 
+
+def measure_and_print(
+    suite: str, argv: Sequence[str], parse: Callable[[Sequence[str]], Any], measure: Callable[[Any, str], Path]
+) -> int:
+    """`python -m concatfl.bench <suite> <argv>` for a suite with options of its own: parse them,
+    `measure(options, command)` (which writes and returns the table), print the table and the wall time."""
+    options = parse(argv)
+    started = time.perf_counter()
+    table = measure(options, suite_command(suite, argv))
+    print(table.read_text())
+    print(f"{suite} wall time: {time.perf_counter() - started:.0f} s; table: {table}")
+    return 0
+
 DATA_CACHE = "data"  # under --out: the subsamples of the scaled-down suites
 PATH_KEYS = ("data-dir", "fuzz-log")  # folders and files: the same run may have them elsewhere
 # (run config, clients, workdir, app_dir=…) → metrics; app_dir is passed only for a cell of another app

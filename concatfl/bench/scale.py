@@ -47,7 +47,7 @@ from typing import Any
 from ..metrics import METRICS_FILE
 from .data import Subsample, write_subsample
 from .overhead import PeakTreeMemory, cpu_model, load_average, simulation_breakdown
-from .runner import DATA_CACHE, simulate_with_flower, suite_command
+from .runner import DATA_CACHE, measure_and_print, simulate_with_flower
 
 SUITE = "scale"
 JSON_FILE = "scale.json"
@@ -352,10 +352,4 @@ def parse_options(argv: Sequence[str]) -> Options:
 
 def main(argv: Sequence[str]) -> int:
     """Measure the cells, print the table."""
-    options = parse_options(argv)
-    command = suite_command(SUITE, argv)
-    started = time.perf_counter()
-    table = run(options, command)
-    print(table.read_text())
-    print(f"scale wall time: {time.perf_counter() - started:.0f} s; table: {table}")
-    return 0
+    return measure_and_print(SUITE, argv, parse_options, run)
