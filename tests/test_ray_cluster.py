@@ -62,9 +62,12 @@ def stop_cluster(temp_dir: str) -> None:
 
 
 class ActorWatch:
-    """Which node (the NODE_MARK in its environment) each ClientAppActor process came from."""
+    """Which node (the NODE_MARK in its environment) each ClientAppActor process of the cluster in
+    network namespace `namespace` came from (other simulations may run beside it: their actors
+    are in another namespace)."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespace: str) -> None:
+        self.network = f"net:[{os.stat(f'/run/netns/{namespace}').st_ino}]"
         self.nodes: dict[int, str] = {}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -74,9 +77,13 @@ class ActorWatch:
         while not self._done.wait(0.5):
             for process in psutil.process_iter(["cmdline"]):
                 try:
-                    if "ClientAppActor" in " ".join(process.info["cmdline"] or []) and process.pid not in self.nodes:
+                    if (
+                        "ClientAppActor" in " ".join(process.info["cmdline"] or [])
+                        and process.pid not in self.nodes
+                        and os.readlink(f"/proc/{process.pid}/ns/net") == self.network
+                    ):
                         self.nodes[process.pid] = process.environ().get(NODE_MARK, "head")
-                except psutil.Error:
+                except (psutil.Error, OSError):  # it ended meanwhile
                     continue
 
     def stop(self) -> dict[int, str]:
@@ -101,7 +108,7 @@ def test_clientapp_actors_run_on_the_worker_of_an_existing_ray_cluster(tmp_path)
         in_namespace(namespace, RAY, "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
                      "--num-cpus=2", '--resources={"concatfl-worker": 1}', "--disable-usage-stats",
                      env={NODE_MARK: "worker"})
-        watch = ActorWatch()
+        watch = ActorWatch(namespace)
         output = tmp_path / "output"
         session = FlowerSession(tmp_path, simulation=True, superlink_netns=namespace, cli_netns=namespace,
                                 env={"RAY_ADDRESS": f"127.0.0.1:{port}"})
