@@ -17,6 +17,7 @@ from concatfl.strategies.common import (
     reply_problem,
     sample_nodes,
     to_messages,
+    to_numpy,
     train_content,
     weighted_average,
 )
@@ -121,8 +122,8 @@ def test_reply_problem_without_template_skips_array_checks():
 
 
 def test_weighted_average_exact_and_dtype_preserved():
-    a = ArrayRecord({"w": Array(np.array([1.0, 2.0], np.float32)), "n": Array(np.array([0, 10], np.int64))})
-    b = ArrayRecord({"w": Array(np.array([4.0, 8.0], np.float32)), "n": Array(np.array([3, 1], np.int64))})
+    a = {"w": np.array([1.0, 2.0], np.float32), "n": np.array([0, 10], np.int64)}
+    b = {"w": np.array([4.0, 8.0], np.float32), "n": np.array([3, 1], np.int64)}
     avg = weighted_average([a, b], [1, 2])
     assert avg["w"].dtype == "float32" and avg["n"].dtype == "int64"
     np.testing.assert_array_equal(avg["w"].numpy(), np.array([3.0, 6.0], np.float32))
@@ -131,15 +132,15 @@ def test_weighted_average_exact_and_dtype_preserved():
 
 
 def test_weighted_average_rounds_integer_arrays():
-    a = ArrayRecord({"n": Array(np.array([0, 0], np.int64))})
-    b = ArrayRecord({"n": Array(np.array([10, 1], np.int64))})
+    a = {"n": np.array([0, 0], np.int64)}
+    b = {"n": np.array([10, 1], np.int64)}
     avg = weighted_average([a, b], [1, 2])  # 20/3 = 6.67 → 7 ; 2/3 = 0.67 → 1
     np.testing.assert_array_equal(avg["n"].numpy(), np.array([7, 1], np.int64))
 
 
 def test_weighted_average_single_record_is_identity_and_keeps_key_order():
     record = _arrays(n=np.array([4, 5], np.int64))
-    avg = weighted_average([record], [5])
+    avg = weighted_average([to_numpy(record)], [5])
     assert list(avg.keys()) == list(record.keys())
     for key in record:
         np.testing.assert_array_equal(avg[key].numpy(), record[key].numpy())
@@ -147,8 +148,8 @@ def test_weighted_average_single_record_is_identity_and_keeps_key_order():
 
 def test_weighted_average_handles_0d_arrays_like_batchnorm_num_batches_tracked():
     # BatchNorm's num_batches_tracked is a 0-d int64 tensor (resnet18, vgg9 models).
-    a = ArrayRecord({"n": Array(np.array(3, np.int64)), "s": Array(np.array(1.0, np.float32))})
-    b = ArrayRecord({"n": Array(np.array(6, np.int64)), "s": Array(np.array(4.0, np.float32))})
+    a = {"n": np.array(3, np.int64), "s": np.array(1.0, np.float32)}
+    b = {"n": np.array(6, np.int64), "s": np.array(4.0, np.float32)}
     avg = weighted_average([a, b], [2, 1])
     assert avg["n"].shape == () and avg["n"].dtype == "int64" and int(avg["n"].numpy()) == 4
     assert avg["s"].shape == () and avg["s"].dtype == "float32" and float(avg["s"].numpy()) == 2.0
@@ -158,7 +159,7 @@ def test_weighted_average_rejects_empty_and_zero_weights():
     with pytest.raises(ValueError):
         weighted_average([], [])
     with pytest.raises(ValueError):
-        weighted_average([_arrays(), _arrays()], [0, 0])
+        weighted_average([to_numpy(_arrays()), to_numpy(_arrays())], [0, 0])
 
 
 # ----------------------------------------------------------------------------- relay / collect

@@ -14,7 +14,7 @@ from torch import nn
 from concatfl.config import RunConfig
 from concatfl.strategies import FedAvg, FedProx, build_strategy
 from concatfl.strategies.fedavg import build, sample_count
-from concatfl.strategies.common import message_bytes
+from concatfl.strategies.common import Request, collect, message_bytes, to_messages, train_content
 from tests.fakes import BIG_IDS, FakeGrid, reply_with
 
 INITIAL = ArrayRecord(
@@ -388,3 +388,23 @@ def test_global_module_is_built_once_and_never_draws_from_torchs_generator():
     np.testing.assert_array_equal(module.bias.detach().numpy(), np.zeros(2))
     strategy.global_module(first, lambda: nn.Linear(2, 2))  # another factory: a module of its own
     assert strategy.global_module(first, make_model) is not module and len(builds) == 2
+
+
+def test_a_reply_is_decoded_once_from_the_door_to_the_average(monkeypatch):
+    """Validation decodes each reply's arrays; the bound and the average reuse them, and the
+    model the hop sent is decoded once for all its replies (not once per reply)."""
+    nodes = BIG_IDS[:4]
+    strategy = FedAvg(seed=0)
+    strategy.guard.begin_round(1)
+    requests = [Request(node, train_content(INITIAL, {})) for node in nodes]
+    messages = to_messages(requests)
+    replies = [_good(node)(message) for node, message in zip(nodes, messages)]
+    decodes = []
+    original = Array.numpy
+    monkeypatch.setattr(Array, "numpy", lambda array: decodes.append(array) or original(array))
+    hop = collect(requests, replies, messages)
+    assert len(decodes) == len(nodes) * len(INITIAL)
+    arrays, _ = strategy.aggregate_hop(1, hop)
+    assert len(decodes) == (len(nodes) + 1) * len(INITIAL)
+    monkeypatch.undo()
+    _assert_arrays(arrays, _expected_average(nodes))

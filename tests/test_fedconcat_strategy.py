@@ -343,7 +343,7 @@ def test_encoder_rounds_send_each_node_its_cluster_model_and_average_inside_clus
     for members in ({0, 1, 2}, {3, 4, 5}):
         cluster_replies = [r for r in round1_replies if r.metadata.src_node_id in members]
         expected = weighted_average(
-            [r.content["arrays"] for r in cluster_replies],
+            [numpy_of(r.content["arrays"]) for r in cluster_replies],
             [r.content["metrics"]["num-examples"] for r in cluster_replies],
         )
         for node in members:
@@ -381,7 +381,7 @@ def test_bad_encoder_replies_are_left_out(fault):
         if (node := m.metadata.dst_node_id) in (1, 2)
     ]
     expected = weighted_average(
-        [r.content["arrays"] for r in replies], [r.content["metrics"]["num-examples"] for r in replies]
+        [numpy_of(r.content["arrays"]) for r in replies], [r.content["metrics"]["num-examples"] for r in replies]
     )
     for key, value in expected.items():
         np.testing.assert_allclose(fed.cluster_models[0][key].numpy(), value.numpy())
@@ -402,7 +402,7 @@ def test_feddyn_corrects_each_cluster_model_with_its_own_h():
         sent = [m for m in encoder_hop if m.metadata.dst_node_id in members]
         replies = [reference.handler(m.metadata.dst_node_id)(m) for m in sent]
         average = weighted_average(
-            [r.content["arrays"] for r in replies], [r.content["metrics"]["num-examples"] for r in replies]
+            [numpy_of(r.content["arrays"]) for r in replies], [r.content["metrics"]["num-examples"] for r in replies]
         )
         previous = numpy_of(sent[0].content["arrays"])
         h = {key: np.zeros_like(value) for key, value in previous.items()}  # h starts at 0
@@ -499,7 +499,7 @@ def test_classifier_is_the_num_examples_weighted_average_of_the_heads():
     heads = [r for r in replies if r.metadata.message_type == HEAD_MESSAGE_TYPE]
     assert len(heads) == 6
     expected = weighted_average(
-        [r.content["arrays"] for r in heads], [r.content["metrics"]["num-examples"] for r in heads]
+        [numpy_of(r.content["arrays"]) for r in heads], [r.content["metrics"]["num-examples"] for r in heads]
     )
     np.testing.assert_allclose(
         result.arrays["classifier.weight"].numpy(), expected["classifier.weight"].numpy()

@@ -17,6 +17,7 @@ from concatfl.config import RunConfig
 from concatfl.objectives import FEDDYN_STATE
 from concatfl.runtime import ServerEnv, load_data, make_model
 from concatfl.strategies import FedAvg, FedCat, FedDynServer, build_strategy
+from concatfl.strategies.common import to_numpy
 from concatfl.strategies.feddyn import feddyn_server_update, parameter_names
 from tests.fakes import BIG_IDS, FakeGrid, reply_with
 from tests.test_fedseq_strategy import as_state, clients_for, expected_average, initial_arrays, run
@@ -219,5 +220,5 @@ def test_the_corrected_model_keeps_zero_dimensional_buffers():
     server = FedDynServer(ALPHA)
     previous = ArrayRecord({"w": Array(np.zeros(2, np.float32)), "steps": Array(np.asarray(3, np.int64))})
     trained = ArrayRecord({"w": Array(np.ones(2, np.float32)), "steps": Array(np.asarray(5, np.int64))})
-    corrected = server.step(previous, [trained], trained, num_clients=2)
+    corrected = server.step(previous, [to_numpy(trained)], trained, num_clients=2)
     assert corrected["steps"].shape == () and int(corrected["steps"].numpy()) == 5

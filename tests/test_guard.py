@@ -205,8 +205,8 @@ def test_distribution_problem(values, epsilon, problem):
 # ------------------------------------------------------------------ aggregations
 
 
-def three(values: list[list[float]]) -> list[ArrayRecord]:
-    return [arrays(*v) for v in values]
+def three(values: list[list[float]]) -> list[dict[str, np.ndarray]]:
+    return [to_numpy(arrays(*v)) for v in values]
 
 
 def test_median_and_trimmed_mean_by_hand():

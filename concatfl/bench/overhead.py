@@ -341,7 +341,7 @@ def bare_fedavg(run_config: Mapping[str, Any], num_clients: int) -> dict[str, An
                 augmentation=data.augmentation,
             )
             train_seconds += time.perf_counter() - train_started
-            replies.append(ArrayRecord(model.state_dict()))
+            replies.append({key: tensor.detach().numpy().copy() for key, tensor in model.state_dict().items()})
             weights.append(len(data.y_train))
         aggregate_started = time.perf_counter()
         arrays = weighted_average(replies, weights)

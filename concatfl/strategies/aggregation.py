@@ -18,7 +18,7 @@ Median and trimmed mean ignore num-examples (as Flower's do). Integer arrays (Ba
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,7 +28,7 @@ from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
 from ..config import AGGREGATIONS
-from .common import ARRAYS_KEY, weighted_average
+from .common import ARRAYS_KEY, to_record, weighted_average
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -68,21 +68,22 @@ class Aggregation:
         extra["multi-krum"] = extra["krum"]
         return f"Aggregation({self.method!r}{extra.get(self.method, '')})"
 
-    def combine(self, records: Sequence[ArrayRecord], weights: Sequence[float]) -> ArrayRecord:
-        """The models `records` (with their `weights`) combined into one."""
-        if not records:
+    def combine(self, models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> ArrayRecord:
+        """The `models` (numpy arrays by key, e.g. `Reply.numpy()`) with their `weights` combined into one."""
+        if not models:
             raise ValueError("nothing to aggregate")
         if self.method == "mean":
-            return weighted_average(records, weights)
+            return weighted_average(models, weights)
         if self.method == "median":
-            return _coordinatewise(records, lambda stacked: np.median(stacked, axis=0))
+            return _coordinatewise(models, lambda stacked: np.median(stacked, axis=0))
         if self.method == "trimmed-mean":
-            return _coordinatewise(records, lambda stacked: trim_mean(stacked, self.trim))
-        contents = [RecordDict({ARRAYS_KEY: record}) for record in records]
-        selected = 1 if self.method == "krum" else max(1, len(records) - self.byzantine)
+            return _coordinatewise(models, lambda stacked: trim_mean(stacked, self.trim))
+        # Flower's selection reads records: Krum's rounds encode their models once more.
+        contents = [RecordDict({ARRAYS_KEY: to_record(model)}) for model in models]
+        selected = 1 if self.method == "krum" else max(1, len(models) - self.byzantine)
         chosen = {id(content) for content in select_multikrum(contents, self.byzantine, selected)}
         kept = [i for i, content in enumerate(contents) if id(content) in chosen]
-        return weighted_average([records[i] for i in kept], [weights[i] for i in kept])
+        return weighted_average([models[i] for i in kept], [weights[i] for i in kept])
 
 
 def from_config(config: RunConfig) -> Aggregation:
@@ -95,10 +96,10 @@ def as_aggregation(value: str | Aggregation) -> Aggregation:
     return value if isinstance(value, Aggregation) else Aggregation(value)
 
 
-def _coordinatewise(records: Sequence[ArrayRecord], statistic) -> ArrayRecord:
+def _coordinatewise(models: Sequence[Mapping[str, np.ndarray]], statistic) -> ArrayRecord:
     combined = {}
-    for key in records[0].keys():
-        arrays = [record[key].numpy() for record in records]
+    for key in models[0].keys():
+        arrays = [model[key] for model in models]
         dtype = arrays[0].dtype
         value = statistic(np.stack([a.astype(np.float64) for a in arrays]))
         value = np.rint(value) if np.issubdtype(dtype, np.integer) else value

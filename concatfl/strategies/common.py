@@ -61,6 +61,10 @@ class Reply:
     Once `guard.ReplyGuard.bound` has bounded it: `length` is the norm of its update as the
     client sent it, `reference` the reference length it was measured against and `share` the
     share of that update its content now holds.
+
+    `decoded` holds its ArrayRecords as numpy, by record key, each decoded once: validation
+    decodes the model while it checks it (`collect`), and the guard and the aggregation read
+    those very arrays (`numpy`) instead of decoding the record again.
     """
 
     request: Request
@@ -69,6 +73,7 @@ class Reply:
     length: float | None = None
     reference: float | None = None
     share: float = 1.0
+    decoded: dict[str, dict[str, np.ndarray]] = field(default_factory=dict, repr=False)
 
     @property
     def node_id(self) -> int:
@@ -84,6 +89,13 @@ class Reply:
     def metrics(self) -> MetricRecord:
         """The client's MetricRecord."""
         return self.content.metric_records[METRICS_KEY]
+
+    def numpy(self, key: str = ARRAYS_KEY) -> dict[str, np.ndarray]:
+        """The ArrayRecord under `key` as numpy arrays (decoded on first use, then shared: do
+        not change them in place)."""
+        if key not in self.decoded:
+            self.decoded[key] = to_numpy(self.content.array_records[key])
+        return self.decoded[key]
 
 
 @dataclass
@@ -133,41 +145,53 @@ class HopResult:
 def reply_problem(
     content: RecordDict, template: ArrayRecord | None, require_num_examples: bool = True
 ) -> str | None:
-    """Why a reply's content is unusable, or None when it is fine.
+    """Why a reply's content is unusable, or None when it is fine (`check_reply`'s verdict)."""
+    return check_reply(content, template, require_num_examples)[0]
+
+
+def check_reply(
+    content: RecordDict, template: ArrayRecord | None, require_num_examples: bool = True
+) -> tuple[str | None, dict[str, np.ndarray]]:
+    """Why a reply's content is unusable (None when it is fine), and its model as decoded while
+    checking it ({} when there is no template, or the reply is unusable).
 
     Checks the reply against the model that was sent (same keys, shapes and dtypes, in each
     array's header and in its decoded data: the client writes both), that every array is
     finite, and that ``metrics["num-examples"]`` is a whole number ≥ 1.
     """
+    decoded: dict[str, np.ndarray] = {}
     if template is not None:
         arrays = content.array_records.get(ARRAYS_KEY)
         if arrays is None:
-            return f"no ArrayRecord under '{ARRAYS_KEY}'"
+            return f"no ArrayRecord under '{ARRAYS_KEY}'", {}
         if set(arrays.keys()) != set(template.keys()):
             missing = sorted(set(template.keys()) - set(arrays.keys()))
             extra = sorted(set(arrays.keys()) - set(template.keys()))
-            return f"array keys differ from the model sent (missing {missing}, unexpected {extra})"
+            return f"array keys differ from the model sent (missing {missing}, unexpected {extra})", {}
         for key, expected in template.items():
             got = arrays[key]
             if tuple(got.shape) != tuple(expected.shape):
-                return f"shape of '{key}' is {tuple(got.shape)}, expected {tuple(expected.shape)}"
+                return f"shape of '{key}' is {tuple(got.shape)}, expected {tuple(expected.shape)}", {}
             if got.dtype != expected.dtype:
-                return f"dtype of '{key}' is {got.dtype}, expected {expected.dtype}"
+                return f"dtype of '{key}' is {got.dtype}, expected {expected.dtype}", {}
             try:
                 values = got.numpy()
             except Exception as error:  # pylint: disable=broad-except  # client bytes must never crash the server
-                return f"'{key}' does not decode as a numpy array ({type(error).__name__}: {error})"
+                return f"'{key}' does not decode as a numpy array ({type(error).__name__}: {error})", {}
             if values.shape != tuple(expected.shape) or str(values.dtype) != expected.dtype:
                 return (
                     f"data of '{key}' is {values.shape} {values.dtype}, not the {tuple(expected.shape)} "
                     f"{expected.dtype} its header declares"
-                )
+                ), {}
             if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
-                return f"non-finite values (NaN/Inf) in '{key}'"
+                return f"non-finite values (NaN/Inf) in '{key}'", {}
+            decoded[key] = values
+        # in the reply's own key order, as to_numpy would give them
+        decoded = {key: decoded[key] for key in arrays.keys()}
     if require_num_examples:
         metrics = content.metric_records.get(METRICS_KEY)
         if metrics is None or NUM_EXAMPLES_KEY not in metrics:
-            return f"no '{METRICS_KEY}' MetricRecord with '{NUM_EXAMPLES_KEY}'"
+            return f"no '{METRICS_KEY}' MetricRecord with '{NUM_EXAMPLES_KEY}'", {}
         num_examples = metrics[NUM_EXAMPLES_KEY]
         if (
             isinstance(num_examples, list)
@@ -175,8 +199,8 @@ def reply_problem(
             or num_examples < 1
             or num_examples != int(num_examples)
         ):
-            return f"'{NUM_EXAMPLES_KEY}' must be a whole positive number, got {num_examples!r}"
-    return None
+            return f"'{NUM_EXAMPLES_KEY}' must be a whole positive number, got {num_examples!r}", {}
+    return None, decoded
 
 
 def to_messages(requests: Sequence[Request]) -> list[Message]:
@@ -214,7 +238,7 @@ def collect(
         if reply.has_error():
             hop.misses.append(Miss(request, f"error reply: {reply.error.reason}"))
             continue
-        problem = reply_problem(reply.content, request.template(), request.require_num_examples)
+        problem, decoded = check_reply(reply.content, request.template(), request.require_num_examples)
         if problem is not None:
             hop.misses.append(Miss(request, f"rejected: {problem}"))
             continue
@@ -223,7 +247,7 @@ def collect(
             if request.require_num_examples
             else 0
         )
-        hop.replies.append(Reply(request, reply.content, num_examples))
+        hop.replies.append(Reply(request, reply.content, num_examples, decoded={ARRAYS_KEY: decoded} if decoded else {}))
     for node_id, request in by_node.items():
         if node_id not in answered:
             hop.misses.append(Miss(request, "no reply before the round timeout"))
@@ -252,19 +276,20 @@ def relay(grid: Grid, requests: Sequence[Request], timeout: float | None) -> Hop
     return hop
 
 
-def weighted_average(records: Sequence[ArrayRecord], weights: Sequence[float]) -> ArrayRecord:
-    """Average ArrayRecords key by key with the given weights, keeping each array's dtype.
+def weighted_average(models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> ArrayRecord:
+    """Average models (numpy arrays by key) key by key with the given weights, keeping each
+    array's dtype.
 
     Integer arrays (e.g. BatchNorm's `num_batches_tracked`) are averaged and rounded.
     """
-    if not records:
+    if not models:
         raise ValueError("nothing to average")
     total = float(sum(weights))
     if total <= 0:
         raise ValueError(f"weights must sum to a positive number, got {list(weights)}")
     averaged: dict[str, Array] = {}
-    for key in records[0].keys():
-        stacked = [record[key].numpy() for record in records]
+    for key in models[0].keys():
+        stacked = [model[key] for model in models]
         mean = sum(w * arr.astype(np.float64) for w, arr in zip(weights, stacked)) / total
         dtype = stacked[0].dtype
         rounded = np.rint(mean) if np.issubdtype(dtype, np.integer) else mean

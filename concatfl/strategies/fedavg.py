@@ -117,7 +117,7 @@ class FedAvg(RelayStrategy):
         replies = self.guard.bound(hop.replies)
         if not replies:
             return None, None
-        models = [reply.arrays for reply in replies]
+        models = [reply.numpy() for reply in replies]
         metrics = aggregate_metricrecords([reply.content for reply in replies], NUM_EXAMPLES_KEY)
         if self.feddyn is None:
             return self.aggregation.combine(models, [reply.num_examples for reply in replies]), metrics

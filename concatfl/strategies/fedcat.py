@@ -396,14 +396,16 @@ class FedCat(RelayStrategy):
         and the divergence check (recorded as ``divergence``)."""
         if self._data_sizes.sum() <= 0:
             return None
-        averaged = weighted_average(self._copies, [float(d) for d in self._data_sizes])
+        copies = [to_numpy(copy) for copy in self._copies]
+        averaged = weighted_average(copies, [float(d) for d in self._data_sizes])
         assert self._cycle_start is not None
         if not close_cycle:
             self.chain.check_last(self._cycle_start, averaged, self.evaluate_on_server(server_round))
             return averaged
         trained = [(copy, float(size)) for copy, size in zip(self._copies, self._data_sizes) if size > 0]
         if self.feddyn is not None:
-            averaged = self.feddyn.step(self._cycle_start, [copy for copy, _ in trained], averaged, len(self._copies))
+            trained_copies = [copy for copy, size in zip(copies, self._data_sizes) if size > 0]
+            averaged = self.feddyn.step(self._cycle_start, trained_copies, averaged, len(self._copies))
             self.record("feddyn_h_norm", self.feddyn.h_norm)
         self.record(
             "divergence",

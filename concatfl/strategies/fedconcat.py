@@ -666,7 +666,7 @@ class FedConcat(RelayStrategy):
             )
             bounded += replies
             if replies:
-                models = [r.arrays for r in replies]
+                models = [r.numpy() for r in replies]
                 average = self.aggregation.combine(models, [r.num_examples for r in replies])
                 if self.cluster_feddyn:
                     members = len(self.members(cluster))
@@ -698,7 +698,7 @@ class FedConcat(RelayStrategy):
         if not plan.replies:
             return None, None
         self.classifier = self.aggregation.combine(
-            [r.arrays for r in plan.replies], [r.num_examples for r in plan.replies]
+            [r.numpy() for r in plan.replies], [r.num_examples for r in plan.replies]
         )
         metrics = aggregate_metricrecords([reply.content for reply in plan.replies], NUM_EXAMPLES_KEY)
         return self._concat_arrays(), metrics

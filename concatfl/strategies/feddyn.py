@@ -92,15 +92,16 @@ class FedDynServer:
         return {"local-objective": "feddyn", "feddyn-alpha": self.alpha}
 
     def step(
-        self, previous: ArrayRecord, models: Sequence[ArrayRecord], average: ArrayRecord, num_clients: int
+        self, previous: ArrayRecord, models: Sequence[Mapping[str, np.ndarray]], average: ArrayRecord, num_clients: int
     ) -> ArrayRecord:
-        """Update h from the models trained since `previous` and return the corrected global model."""
+        """Update h from the `models` (numpy arrays by key) trained since `previous` and return
+        the corrected global model."""
         before = to_numpy(previous)
         if not self.h:
             keys = self.keys or [k for k, v in before.items() if np.issubdtype(v.dtype, np.floating)]
             self.h = {key: np.zeros_like(before[key]) for key in keys}
         model, self.h = feddyn_server_update(
-            before, [to_numpy(m) for m in models], to_numpy(average), self.h, self.alpha, num_clients
+            before, list(models), to_numpy(average), self.h, self.alpha, num_clients
         )
         return to_record(model)
 

@@ -588,7 +588,8 @@ class FedSeq(RelayStrategy):
             return None
         models, weights = [chain.model for chain in trained], [float(chain.weight) for chain in trained]
         assert self._round_start is not None
-        average = self._feddyn_step(self._round_start, models, weighted_average(models, weights), len(self.superclients))
+        arrays = [to_numpy(model) for model in models]
+        average = self._feddyn_step(self._round_start, arrays, weighted_average(arrays, weights), len(self.superclients))
         self._check_divergence(server_round, self._round_start, models, weights, average)
         return average
 
@@ -601,7 +602,7 @@ class FedSeq(RelayStrategy):
         self.record("divergence", self.chain.check(start, models, weights, average, evaluate, last))
 
     def _feddyn_step(
-        self, previous: ArrayRecord, models: list[ArrayRecord], average: ArrayRecord, num_clients: int
+        self, previous: ArrayRecord, models: list[dict[str, np.ndarray]], average: ArrayRecord, num_clients: int
     ) -> ArrayRecord:
         """FedDyn's server correction of `average` (unchanged without FedDyn)."""
         if self.feddyn is None:
@@ -701,12 +702,13 @@ class FedSeqInter(FedSeq):
             if aggregate:  # nothing trained since the last average: the slots still hold it
                 self.rounds_since_average = 0
             return None
-        average = weighted_average([self._slots[i] for i in filled], [self.slot_samples[i] for i in filled])
+        arrays = [to_numpy(self._slots[i]) for i in filled]
+        average = weighted_average(arrays, [self.slot_samples[i] for i in filled])
         self.record("slots", {"samples": list(self.slot_samples), "aggregated": aggregate})
         if aggregate:
             assert self._slot_start is not None
             models, weights = [self._slots[i] for i in filled], [self.slot_samples[i] for i in filled]
-            average = self._feddyn_step(self._slot_start, models, average, len(self._slots))
+            average = self._feddyn_step(self._slot_start, arrays, average, len(self._slots))
             self._check_divergence(server_round, self._slot_start, models, weights, average)
             self._slot_start = average
             self._slots = [average] * len(self._slots)

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from logging import WARNING
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.supercore import log
 
@@ -117,8 +118,9 @@ class ReplyGuard:
         """
         if not replies:
             return []
-        origins = [None if from_zero else to_numpy(_sent(reply, key)) for reply in replies]
-        returned = [to_numpy(reply.content.array_records[key]) for reply in replies]
+        sent: dict[int, dict[str, np.ndarray]] = {}  # a hop sends most of its replies' origin once
+        origins = [None if from_zero else _decoded_once(_sent(reply, key), sent) for reply in replies]
+        returned = [reply.numpy(key) for reply in replies]
         lengths = [update_norm(origin, values) for origin, values in zip(origins, returned)]
         window = self._lengths.setdefault(stream, deque(maxlen=REFERENCE_WINDOW))
         ref = reference([*window, *(lengths if joins else [])])
@@ -140,12 +142,15 @@ class ReplyGuard:
             if share < wanted:
                 self._note(reply, "clipped", stream=stream, factor=share / wanted, length=length, bound=self.update_clip * ref)
             share = min(share, bound_share(length, ref, hop_clip, wanted))
+            decoded = reply.decoded
             if share < 1.0:
                 moved = scale(values, share) if origin is None else move(origin, values, share)
                 content = _replace(content, key, to_record(moved))
+                decoded = {**decoded, key: moved}
             bounded.append(
                 dataclasses.replace(
-                    reply, content=content, num_examples=num_examples, length=length, reference=ref, share=share
+                    reply, content=content, num_examples=num_examples, length=length, reference=ref, share=share,
+                    decoded=decoded,
                 )
             )
         self._measure(stream if joins else f"{stream}/later", ref, max(lengths), weight_ref, replies)
@@ -234,6 +239,13 @@ def _sent(reply: Reply, key: str) -> ArrayRecord:
         if template is not None:
             return template
     return reply.request.content.array_records[key]
+
+
+def _decoded_once(record: ArrayRecord, decoded: dict[int, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """`record` as numpy, decoded on its first call with this `decoded` cache (keyed by object)."""
+    if id(record) not in decoded:
+        decoded[id(record)] = to_numpy(record)
+    return decoded[id(record)]
 
 
 def _replace(content: RecordDict, key: str, arrays: ArrayRecord) -> RecordDict:

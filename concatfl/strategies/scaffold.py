@@ -177,12 +177,12 @@ class Scaffold(RelayStrategy):
         replies = self.guard.bound(replies, stream="control-delta", key=CONTROL_KEY, from_zero=True, weights=False)
         if not replies:
             return None, None
-        deltas = [reply.arrays for reply in replies]
+        deltas = [reply.numpy() for reply in replies]
         model, control = scaffold_server_update(
             to_numpy(self._sent),
             to_numpy(self.control),
             to_numpy(self.aggregation.combine(deltas, [1.0] * len(deltas))),
-            [to_numpy(reply.content.array_records[CONTROL_KEY]) for reply in replies],
+            [reply.numpy(CONTROL_KEY) for reply in replies],
             self.server_lr,
             self._num_nodes,
         )
