@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from concatfl import launch
+from concatfl.deployment.cli import STATUS_QUERY_TRIES, FlowerCli
 from concatfl.deployment.processes import SimulationError
 from concatfl.deployment.session import FlowerSession
 from concatfl.launch import main, parse_overrides
@@ -183,3 +184,33 @@ def test_with_workdir_everything_stays_there(tmp_path, stand_in):
     metrics = launch.run_simulation({}, 2, workdir=tmp_path / "work")
     assert metrics["run_config"]["output-dir"] == str(tmp_path / "work" / "output")
     assert (tmp_path / "work" / "flwr-home").is_dir()
+
+
+# ----------------------------------------------------------------------------- waiting for a run
+
+
+def _cli_answering(tmp_path, monkeypatch, answers: list[str]) -> FlowerCli:
+    """A FlowerCli whose `flwr ls` calls return `answers` in turn (JSON as the CLI prints it)."""
+    cli = FlowerCli(tmp_path, "127.0.0.1:9093")
+    replies = iter(answers)
+    monkeypatch.setattr(cli, "flwr", lambda args, timeout=120: next(replies))
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    return cli
+
+
+def _listing(status: str) -> str:
+    return json.dumps({"success": True, "runs": [{"run-id": "7", "status": status}]})
+
+
+FAILED_QUERY = json.dumps({"success": False, "error-message": "Deadline Exceeded"})
+
+
+def test_waiting_for_a_run_outlasts_a_failed_status_query(tmp_path, monkeypatch):
+    cli = _cli_answering(tmp_path, monkeypatch, [_listing("running"), FAILED_QUERY, _listing("finished:completed")])
+    cli.wait("7")
+
+
+def test_waiting_for_a_run_gives_up_after_consecutive_failed_queries_and_says_why(tmp_path, monkeypatch):
+    cli = _cli_answering(tmp_path, monkeypatch, [_listing("running")] + [FAILED_QUERY] * STATUS_QUERY_TRIES)
+    with pytest.raises(SimulationError, match="querying run 7 failed: Deadline Exceeded"):
+        cli.wait("7")

@@ -209,6 +209,7 @@ def run(options: Options, command: str, log=print) -> Path:
                 except Exception as error:  # pylint: disable=broad-exception-caught  # a failed cell is a finding
                     cell = {"strategy": strategy, "clients": clients, "per_round": per_round, "run_config": config,
                             "error": str(error).splitlines()[0] if str(error) else type(error).__name__,
+                            "log_tail": str(error).splitlines()[1:][-40:],  # the ServerApp's own words
                             "load_average_end": load_average()}
                 document["cells"] = [c for c in document["cells"] if c["run_config"] != config] + [cell]
                 json_path.write_text(json.dumps(document, indent=1))

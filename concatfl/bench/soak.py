@@ -642,7 +642,7 @@ def _measure_capacity(session: FlowerSession, count: int, workdir: Path, idle_se
         session.wait(session.submit(config), timeout=900)
         row["ok"] = True
     except SimulationError as error:
-        row.update(ok=False, error=str(error).splitlines()[0])
+        row.update(ok=False, error=str(error).splitlines()[0], log_tail=str(error).splitlines()[1:][-40:])
     finally:
         row["fedseq_round_seconds"] = round(time.monotonic() - started, 1)
         rss, pss = peak.stop()

@@ -24,6 +24,8 @@ from .commands import flower_env
 from .processes import SimulationError, in_namespace, stop_process_tree
 
 CONNECTION = "concatfl-sim"
+# Consecutive failed status queries after which waiting for a run gives up (the SuperLink is gone).
+STATUS_QUERY_TRIES = 5
 
 
 class FlowerCli:
@@ -102,6 +104,8 @@ class FlowerCli:
     def status(self, run_id: str) -> str:
         """The SuperLink's status of a run, e.g. `running` or `finished:completed`."""
         listing = json.loads(self.flwr(["ls", CONNECTION, "--run-id", run_id, "--format", "json"]))
+        if not listing.get("runs"):  # the CLI exits 0 when its request failed (e.g. timed out)
+            raise SimulationError(f"querying run {run_id} failed: {listing.get('error-message', listing)}")
         return str(listing["runs"][0]["status"])
 
     def wait(self, run_id: str, *, stream: bool = False, timeout: float | None = None) -> None:
@@ -125,8 +129,19 @@ class FlowerCli:
         deadline = None if timeout is None else time.monotonic() + timeout
         # Each status check starts a `flwr` CLI process (~1 s of CPU): back off to one per 5 s.
         pause = 1.0
+        failed_queries = 0
         try:
-            while not (status := self.status(run_id)).startswith("finished"):
+            while True:
+                try:
+                    status = self.status(run_id)
+                    failed_queries = 0
+                except SimulationError:  # a loaded SuperLink may miss one query; it must not end the wait
+                    failed_queries += 1
+                    if failed_queries >= STATUS_QUERY_TRIES:
+                        raise
+                    status = "unknown"
+                if status.startswith("finished"):
+                    break
                 if deadline is not None and time.monotonic() > deadline:
                     raise SimulationError(f"run {run_id} did not finish within {timeout} s")
                 time.sleep(pause)
