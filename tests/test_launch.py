@@ -198,8 +198,8 @@ def _cli_answering(tmp_path, monkeypatch, answers: list[str]) -> FlowerCli:
     return cli
 
 
-def _listing(status: str) -> str:
-    return json.dumps({"success": True, "runs": [{"run-id": "7", "status": status}]})
+def _listing(status: str, details: str = "") -> str:
+    return json.dumps({"success": True, "runs": [{"run-id": "7", "status": status, "status-details": details}]})
 
 
 FAILED_QUERY = json.dumps({"success": False, "error-message": "Deadline Exceeded"})
@@ -208,6 +208,13 @@ FAILED_QUERY = json.dumps({"success": False, "error-message": "Deadline Exceeded
 def test_waiting_for_a_run_outlasts_a_failed_status_query(tmp_path, monkeypatch):
     cli = _cli_answering(tmp_path, monkeypatch, [_listing("running"), FAILED_QUERY, _listing("finished:completed")])
     cli.wait("7")
+
+
+def test_a_run_the_superlink_ended_fails_with_the_superlinks_reason(tmp_path, monkeypatch):
+    expired = _listing("finished:failed", "No heartbeat received from the task")
+    cli = _cli_answering(tmp_path, monkeypatch, [_listing("running"), expired, expired, "(empty run log)"])
+    with pytest.raises(SimulationError, match=r"ended 'finished:failed \(No heartbeat received from the task\)'"):
+        cli.wait("7")
 
 
 def test_waiting_for_a_run_gives_up_after_consecutive_failed_queries_and_says_why(tmp_path, monkeypatch):

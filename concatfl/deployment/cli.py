@@ -4,6 +4,7 @@ run later fails), register SuperNode keys; and the run log as a person wants to 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -103,10 +104,14 @@ class FlowerCli:
 
     def status(self, run_id: str) -> str:
         """The SuperLink's status of a run, e.g. `running` or `finished:completed`."""
+        return str(self._listing(run_id)["status"])
+
+    def _listing(self, run_id: str) -> dict[str, Any]:
+        """The SuperLink's record of a run (`status`, `status-details`, …)."""
         listing = json.loads(self.flwr(["ls", CONNECTION, "--run-id", run_id, "--format", "json"]))
         if not listing.get("runs"):  # the CLI exits 0 when its request failed (e.g. timed out)
             raise SimulationError(f"querying run {run_id} failed: {listing.get('error-message', listing)}")
-        return str(listing["runs"][0]["status"])
+        return dict(listing["runs"][0])
 
     def wait(self, run_id: str, *, stream: bool = False, timeout: float | None = None) -> None:
         """Wait for the run to finish (printing its log when `stream`); require completed.
@@ -154,6 +159,10 @@ class FlowerCli:
             if printer is not None:
                 printer.join(timeout=10)
         if status != "finished:completed":
+            # The SuperLink's reason, e.g. "No heartbeat received from the task": a run it ended
+            # has nothing about it in the run's own log.
+            with contextlib.suppress(SimulationError):
+                status += f" ({self._listing(run_id).get('status-details', '')})"
             if stream:  # the log, with the error, was just printed
                 raise SimulationError(f"run {run_id} ended {status!r}; the error is in its log above")
             log_text = self.flwr(["log", run_id, CONNECTION], timeout=60)
