@@ -49,9 +49,12 @@ per node, RSS and PSS, and wall time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import socket
+import ssl
 import statistics
 import threading
 import time
@@ -625,7 +628,8 @@ def capacity(
 def _measure_capacity(session: FlowerSession, count: int, workdir: Path, idle_seconds: float) -> dict[str, Any]:
     """Idle CPU per node and of the SuperLink over `idle_seconds`, then one FedSeq round: its wall
     time and the nodes' peak memory (summed RSS and PSS: shared library pages counted once per
-    process in RSS, divided among the processes sharing them in PSS)."""
+    process in RSS, divided among the processes sharing them in PSS), with what could starve the
+    round (`_RoundWatch`: memory left, page faults, the SuperLink's CPU and answer time)."""
     row: dict[str, Any] = {}
     family = _family(session) + [psutil.Process(session.superlink.pid)]
     before = {p.pid: _cpu(p) for p in family}
@@ -634,7 +638,7 @@ def _measure_capacity(session: FlowerSession, count: int, workdir: Path, idle_se
     superlink = used.pop(session.superlink.pid)
     row["idle_cpu_per_node"] = round(sum(used.values()) / idle_seconds / count, 4)
     row["idle_cpu_superlink"] = round(superlink / idle_seconds, 4)
-    peak = _Peak(session)
+    watch = _RoundWatch(session)
     config = {**run_config(Settings(nodes=count, rounds=1), "fedseq", workdir / "run"), "fuzz-share": 0.0,
               "min-available-nodes": count, "round-timeout": 600.0}
     started = time.monotonic()
@@ -645,9 +649,9 @@ def _measure_capacity(session: FlowerSession, count: int, workdir: Path, idle_se
         row.update(ok=False, error=str(error).splitlines()[0], log_tail=str(error).splitlines()[1:][-40:])
     finally:
         row["fedseq_round_seconds"] = round(time.monotonic() - started, 1)
-        rss, pss = peak.stop()
-        row["peak_rss_mib_per_node"] = round(rss / count / 2**20, 1)
-        row["peak_pss_mib_per_node"] = round(pss / count / 2**20, 1)
+        row.update(watch.stop())
+        row["peak_rss_mib_per_node"] = round(watch.rss / count / 2**20, 1)
+        row["peak_pss_mib_per_node"] = round(watch.pss / count / 2**20, 1)
     return row
 
 
@@ -687,24 +691,67 @@ def resident_memory(pid: int) -> tuple[int, int]:
     return figures["Rss:"], figures["Pss:"]
 
 
-class _Peak:
-    """The largest summed RSS and PSS of a session's nodes, sampled every second in a thread."""
+class _RoundWatch:
+    """What the nodes and the machine do during a round, sampled in threads: the nodes' largest
+    summed RSS and PSS and the least available memory (every second), the system's major page
+    faults and the SuperLink tree's CPU seconds over the round, and the slowest TLS handshake
+    with the SuperLink (every 2 s): a SuperLink too starved to answer misses the ServerApp's
+    heartbeats, and Flower then fails the run (60 s without one)."""
 
     def __init__(self, session: FlowerSession) -> None:
         self.session, self.rss, self.pss, self._done = session, 0, 0, threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        self.least_available = psutil.virtual_memory().available
+        self.slowest_handshake = 0.0
+        self._faults, self._superlink_cpu = _major_faults(), _tree_cpu(session.superlink.pid)
+        self._threads = [threading.Thread(target=target, daemon=True) for target in (self._sample, self._probe)]
+        for thread in self._threads:
+            thread.start()
 
     def _sample(self) -> None:
         while not self._done.wait(1.0):
             sampled = [resident_memory(process.pid) for process in _family(self.session)]
             self.rss = max(self.rss, sum(rss for rss, _ in sampled))
             self.pss = max(self.pss, sum(pss for _, pss in sampled))
+            self.least_available = min(self.least_available, psutil.virtual_memory().available)
 
-    def stop(self) -> tuple[int, int]:
+    def _probe(self) -> None:
+        host, port = self.session.address.rsplit(":", 1)
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # timed, not trusted
+        while not self._done.wait(2.0):
+            started = time.monotonic()
+            with contextlib.suppress(OSError):
+                with socket.create_connection((host, int(port)), timeout=60) as sock:
+                    sock.settimeout(60)
+                    context.wrap_socket(sock).close()
+            self.slowest_handshake = max(self.slowest_handshake, time.monotonic() - started)
+
+    def stop(self) -> dict[str, Any]:
+        """Stop sampling; the row's figures."""
         self._done.set()
-        self._thread.join()
-        return self.rss, self.pss
+        for thread in self._threads:
+            thread.join()
+        return {
+            "least_available_gib": round(self.least_available / 2**30, 2),
+            "major_page_faults": _major_faults() - self._faults,
+            "superlink_cpu_seconds": round(_tree_cpu(self.session.superlink.pid) - self._superlink_cpu, 1),
+            "slowest_superlink_handshake_s": round(self.slowest_handshake, 2),
+        }
+
+
+def _major_faults() -> int:
+    """Major page faults (pages read back from disk) since boot, all processes."""
+    with open("/proc/vmstat", encoding="ascii") as vmstat:
+        return next(int(line.split()[1]) for line in vmstat if line.startswith("pgmajfault "))
+
+
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds of a process and its children (the SuperLink and its ServerApp)."""
+    try:
+        root = psutil.Process(pid)
+        return sum(_cpu(process) for process in [root, *root.children(recursive=True)])
+    except psutil.NoSuchProcess:
+        return 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
