@@ -9,8 +9,10 @@ images whatever N (a stratified subsample of N × `--samples-per-client` trainin
 local epoch): the clients' work per round is the same at every N, so what grows with N is the
 framework's. m sets: FedAvg, FedProx and SCAFFOLD's fraction-train (m/N), FedCat's K, FedSeq's
 and FedSeqInter's superclients (10 clients each, m/10 selected per round), FedConcat's
-fraction-train (m/N of each cluster). FedSeq pre-trains for one epoch; FedConcat-ID infers from
-`--id-samples` random inputs per client instead of 10,000 (a cost linear in N either way).
+fraction-train (m/N of each cluster). FedSeq pre-trains for one epoch; FedConcat-ID, and
+FedConcat's label check (the same inference, on by default), infer from `--id-samples` random
+inputs per client instead of 10,000: a server cost linear in N either way, and at 10,000 inputs
+one LeNet-5 client takes seconds of the server's CPU (hours at N = 10,000).
 
 Read from each run's metrics.json (`timing` included) and its process tree:
 - start-up: from `flwr run` until the strategy's stage 1 begins (SuperLink, simulation runtime,
@@ -113,9 +115,9 @@ def run_config(strategy: str, clients: int, per_round: int, options: Options, da
             "fraction-train": per_round / clients,  # of the N/10 superclients: m/10 chains of 10
         })
     elif strategy in ("fedconcat", "fedconcat-id"):
-        config.update({"fedconcat-encoder-rounds": options.rounds - 1, "fedconcat-classifier-rounds": 1})
-        if strategy == "fedconcat-id":
-            config["fedconcat-id-samples"] = options.id_samples
+        # FedConcat's label check infers P^ID of every client's model as FedConcat-ID does.
+        config.update({"fedconcat-encoder-rounds": options.rounds - 1, "fedconcat-classifier-rounds": 1,
+                       "fedconcat-id-samples": options.id_samples})
     return config
 
 
