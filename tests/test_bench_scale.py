@@ -13,6 +13,7 @@ from concatfl.bench.scale import (
     parse_options,
     render_table,
     run_config,
+    stage1_hop_seconds,
     summarize,
     write_outputs,
 )
@@ -59,6 +60,12 @@ def test_a_cells_figures_split_start_up_stage_1_and_the_server_side_of_each_roun
     assert cell["server_seconds"] == [pytest.approx(0.7), pytest.approx(1.4)]  # round − hops + checkpoint
     assert cell["hop_seconds_per_round"] == pytest.approx(3.75) and cell["selected_per_round"] == [20, 20]
     assert cell["metrics_bytes"] == (tmp_path / "metrics.json").stat().st_size and cell["checkpoint_bytes"] == 2_000_000
+
+
+def test_stage_1_hops_kept_as_a_list_are_counted():
+    # FedConcat records its label query and its inference training as a list of hops
+    metrics = {"setup": {"stage1": [hop(12.0, 1000), hop(70.0, 1000)], "k": 5, "label_check": {"bound": 0.5}}}
+    assert stage1_hop_seconds(metrics) == 82.0
 
 
 def test_the_table_and_plot_show_every_cell_and_the_ratio_of_the_largest_sizes(tmp_path):

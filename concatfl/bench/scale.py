@@ -123,8 +123,10 @@ def run_config(strategy: str, clients: int, per_round: int, options: Options, da
 
 def stage1_hop_seconds(metrics: Record) -> float:
     """Seconds of the hops before round 1 (pre-training, the label query, FedConcat-ID's training)."""
-    setup = metrics["setup"]
-    return sum(hop["seconds"] for hop in setup.values() if isinstance(hop, dict) and "seconds" in hop and "sent" in hop)
+    entries = []
+    for value in metrics["setup"].values():  # one hop (FedSeq's pre-training) or a list of them (FedConcat's)
+        entries += value if isinstance(value, list) else [value]
+    return sum(hop["seconds"] for hop in entries if isinstance(hop, dict) and "seconds" in hop and "sent" in hop)
 
 
 def summarize(metrics: Record, breakdown: Record, output: Path) -> Record:
