@@ -283,8 +283,8 @@ def ratio_lines(document: Record) -> list[str]:
 
 
 def plot(document: Record, path: Path) -> None:
-    """Log-log panels against N: server seconds per round (m = 100 solid, m = 10 dashed), and
-    start-up and stage 1 (m = 100)."""
+    """Log-log panels against N: server seconds per round (m = 100 solid, m = 10 dashed, one
+    colour per strategy), and start-up and stage 1 (m = 100)."""
     # pylint: disable=import-outside-toplevel
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -294,16 +294,17 @@ def plot(document: Record, path: Path) -> None:
     titles = ("server s per round (apart from training)", "start-up s (until stage 1)", "stage 1 s")
     keys = ("server_seconds_per_round", "startup_seconds", "stage1_seconds")
     for panel, title, key in zip(panels, titles, keys):
-        for strategy in STRATEGIES:
+        for colour, strategy in enumerate(STRATEGIES):
             for per_round, style in ((100, "-"), (10, "--")):
                 if key != "server_seconds_per_round" and per_round != 100:
                     continue
+                # a stage 1 under 0.05 s is none (the table's "–")
                 points = sorted((c["clients"], c[key]) for c in document["cells"]
                                 if c["strategy"] == strategy and c["per_round"] == per_round and "error" not in c
-                                and c[key] > 0)
+                                and c[key] >= 0.05)
                 if points:
                     label = LABELS[strategy] + ("" if per_round == 100 else " (m=10)")
-                    panel.plot(*zip(*points), style, marker="o", label=label)
+                    panel.plot(*zip(*points), style, marker="o", color=f"C{colour}", label=label)
         panel.set_xscale("log")
         panel.set_yscale("log")
         panel.set_xlabel("clients N")
