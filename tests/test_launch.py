@@ -189,20 +189,29 @@ def test_with_workdir_everything_stays_there(tmp_path, stand_in):
 # ----------------------------------------------------------------------------- waiting for a run
 
 
-def _cli_answering(tmp_path, monkeypatch, answers: list[str]) -> FlowerCli:
-    """A FlowerCli whose `flwr ls` calls return `answers` in turn (JSON as the CLI prints it)."""
+def _cli_answering(tmp_path, monkeypatch, answers: list[dict | str]) -> FlowerCli:
+    """A FlowerCli whose SuperLink answers the status queries with `answers` in turn (a run's
+    record, or the reason a query failed); `flwr log` prints "(empty run log)"."""
     cli = FlowerCli(tmp_path, "127.0.0.1:9093")
     replies = iter(answers)
-    monkeypatch.setattr(cli, "flwr", lambda args, timeout=120: next(replies))
+
+    def listing(run_id):
+        reply = next(replies)
+        if isinstance(reply, str):
+            raise SimulationError(f"querying run {run_id} failed: {reply}")
+        return reply
+
+    monkeypatch.setattr(cli, "_listing", listing)
+    monkeypatch.setattr(cli, "flwr", lambda args, timeout=120: "(empty run log)")
     monkeypatch.setattr(time, "sleep", lambda seconds: None)
     return cli
 
 
-def _listing(status: str, details: str = "") -> str:
-    return json.dumps({"success": True, "runs": [{"run-id": "7", "status": status, "status-details": details}]})
+def _listing(status: str, details: str = "") -> dict:
+    return {"status": status, "status-details": details}
 
 
-FAILED_QUERY = json.dumps({"success": False, "error-message": "Deadline Exceeded"})
+FAILED_QUERY = "Deadline Exceeded"
 
 
 def test_waiting_for_a_run_outlasts_a_failed_status_query(tmp_path, monkeypatch):
@@ -212,7 +221,7 @@ def test_waiting_for_a_run_outlasts_a_failed_status_query(tmp_path, monkeypatch)
 
 def test_a_run_the_superlink_ended_fails_with_the_superlinks_reason(tmp_path, monkeypatch):
     expired = _listing("finished:failed", "No heartbeat received from the task")
-    cli = _cli_answering(tmp_path, monkeypatch, [_listing("running"), expired, expired, "(empty run log)"])
+    cli = _cli_answering(tmp_path, monkeypatch, [_listing("running"), expired, expired])
     with pytest.raises(SimulationError, match=r"ended 'finished:failed \(No heartbeat received from the task\)'"):
         cli.wait("7")
 

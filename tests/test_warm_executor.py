@@ -106,6 +106,47 @@ def test_task_reports_and_records_survive_their_text_form():
     assert task_records(log_text) == [{"task": 7, "status": "completed"}]
 
 
+class OrphanedTaskRuntime:
+    """A SuperNode's Runtime API holding a task whose message is listed but whose objects never
+    arrive (what Flower 1.42's SuperNode leaves behind for a message of a run that is no longer
+    running)."""
+
+    def PullTaskInput(self, request):  # pylint: disable=invalid-name
+        from flwr.app import Context, RecordDict
+        from flwr.common.serde import context_to_proto, fab_to_proto, run_to_proto
+        from flwr.proto.runtime_pb2 import PullTaskInputResponse
+        from flwr.supercore.fab import Fab
+        from flwr.supercore.run import Run
+
+        context = Context(run_id=7, node_id=3, node_config={}, state=RecordDict(), run_config={})
+        return PullTaskInputResponse(task_id=11, context=context_to_proto(context), run=run_to_proto(Run.create_empty(7)),
+                                     fab=fab_to_proto(Fab("0" * 64, b"", {})))
+
+    def PullMessages(self, request):  # pylint: disable=invalid-name
+        from flwr.proto.message_pb2 import Message, ObjectTree
+        from flwr.proto.runtime_pb2 import PullAppMessagesResponse
+
+        return PullAppMessagesResponse(messages_list=[Message()], message_object_trees=[ObjectTree(object_id="a" * 64)])
+
+    def PullObject(self, request):  # pylint: disable=invalid-name
+        from flwr.proto.message_pb2 import PullObjectResponse
+
+        return PullObjectResponse(object_found=True, object_available=False)
+
+    def ConfirmMessageReceived(self, request):  # pylint: disable=invalid-name
+        raise AssertionError("no object arrived: nothing to confirm")
+
+
+def test_a_message_whose_objects_never_arrive_fails_its_task_instead_of_holding_the_worker(monkeypatch):
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPullError
+
+    monkeypatch.setattr(warm_executor, "OBJECTS_WAIT_SECONDS", 0.3)
+    started = time.monotonic()
+    with pytest.raises(ObjectPullError, match="a" * 64):
+        warm_executor.pull_task_input(OrphanedTaskRuntime())
+    assert time.monotonic() - started < 5  # not Flower's PULL_MAX_TIME (2 h)
+
+
 def test_a_warm_supernode_runs_the_executor_in_the_launchers_process():
     command = supernode_command("127.0.0.1:8000", 9095, 0, 2, executor="warm")
     assert command[1:4] == ["-m", "concatfl.deployment.supernode", "--warm-executor"]

@@ -56,6 +56,7 @@ import os
 import socket
 import ssl
 import statistics
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -284,6 +285,7 @@ def run_one(
     config = run_config(settings, strategy, output, expected_nodes=len(chaos.nodes))
     started = time.monotonic()
     outcome: dict[str, Any] = {"strategy": strategy, "completed": False, "late_nodes": late}
+    run_id = None
     try:
         run_id = session.submit(config)
         chaos.join_later(late, settings.late_delay, lambda: checkpointed_round(output) >= settings.late_after_round)
@@ -294,6 +296,9 @@ def run_one(
         outcome["completed"] = True
     except (SimulationError, AssertionError) as error:
         outcome["error"] = str(error).splitlines()[0]
+    if run_id is not None:  # where a slow or failed run's time went
+        with contextlib.suppress(SimulationError, subprocess.TimeoutExpired):
+            (output / "run.log").write_text(session.run_log(run_id))
     outcome["wall_seconds"] = round(time.monotonic() - started, 1)
     if (output / "metrics.json").exists():
         outcome.update(describe(read_metrics(output)))

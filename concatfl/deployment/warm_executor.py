@@ -68,11 +68,20 @@ if TYPE_CHECKING:
 # before its objects arrive): retry after 0.05 s, doubling up to 0.1 s. Flower's default
 # (supercore/constant.py) starts at 1 s and doubles up to 10 s, tuned for a new process per
 # message; a warm worker, concatfl's SuperNode launcher and ServerApp ask right away. Tries are
-# not counted, so the pull keeps Flower's bound on its total time (PULL_MAX_TIME, 2 h) instead of
-# giving up after 500 short tries.
+# not counted, so a pull is bounded by its total time instead of 500 short tries: Flower's
+# PULL_MAX_TIME (2 h), in the worker OBJECTS_WAIT_SECONDS.
 SHORT_PULL_BACKOFF = {"initial_backoff": 0.05, "backoff_cap": 0.1, "max_tries_per_object": None}
 # How long a task's message may take to appear after the task was claimed.
 MESSAGE_WAIT_SECONDS = 30.0
+# How long a listed message's objects may take to arrive. Flower 1.42's SuperNode creates the task
+# and lists the message before pulling its objects from the SuperLink, and when the SuperLink
+# answers that the run is no longer running (a run that ended, or one the SuperLink lost in a
+# restart) it drops the pull but leaves task and message behind: without a bound the worker
+# would wait Flower's PULL_MAX_TIME (2 h) for objects that never come, and every later task of
+# the node (a new run's included) would wait behind it. A SuperNode holds a whole message before
+# any of its objects become available, so this bounds the download of one message (LeNet-5's
+# 2.3 MB, a ResNet's tens of MB).
+OBJECTS_WAIT_SECONDS = 60.0
 # Default seconds between two `AcquireTask` calls when idle (stock SuperExec: 1 s).
 DEFAULT_POLL_INTERVAL = 0.1
 # A worker that dies within this many seconds of its start is restarted only after this pause,
@@ -270,7 +279,7 @@ def pull_task_input(client: RuntimeHttpClient) -> tuple[Message, Context, Run, F
     Same calls in the same order (PullTaskInput, PullMessages, object pulls, confirmation); a
     warm worker may ask before the SuperNode has stored the message and its objects, so it waits
     for the message and retries object pulls with SHORT_PULL_BACKOFF instead of Flower's 1 s
-    (up to 10 s).
+    (up to 10 s), for at most OBJECTS_WAIT_SECONDS.
     """
     # pylint: disable=import-outside-toplevel
     from flwr.app import Message
@@ -304,6 +313,7 @@ def pull_task_input(client: RuntimeHttpClient) -> tuple[Message, Context, Run, F
         make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
         make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
         return_type=Message,
+        max_time=OBJECTS_WAIT_SECONDS,
         **SHORT_PULL_BACKOFF,
     )
     # The deflated message does not carry its own id (its object id): set it as Flower does.
