@@ -3,7 +3,7 @@
 A SuperLink with TLS and `--enable-supernode-auth` accepts exactly the SuperNodes whose public
 keys were registered (with `deploy/register-supernodes.sh`, as docker-compose does); a SuperNode
 with an unregistered key, and one that does not trust the CA, cannot join; the two registered
-ones complete a FedAvg job. The SuperLink's health service answers `deploy/healthcheck.py`
+ones complete a FedAvg job after a run with a bad run config failed naming the key. The SuperLink's health service answers `deploy/healthcheck.py`
 (compose's healthcheck).
 """
 
@@ -19,7 +19,7 @@ from concatfl import PROJECT_DIR
 from concatfl.deployment.cli import CONNECTION
 from concatfl.deployment.commands import superlink_security, supernode_security
 from concatfl.deployment.fleet import Node, make_certificates, online_node_ids, start_authenticated_node, wait_for
-from concatfl.deployment.processes import free_port
+from concatfl.deployment.processes import SimulationError, free_port
 from concatfl.deployment.session import FlowerSession
 from concatfl.metrics import read_metrics
 
@@ -70,6 +70,9 @@ def test_tls_with_supernode_authentication_admits_only_registered_nodes(tmp_path
         assert "CERTIFICATE_VERIFY_FAILED" in (tmp_path / "no-ca.log").read_text()
         assert online_node_ids(session) == registered  # the SuperLink's node list, after both failed
 
+        # A bad run config: the ServerApp refuses it before training, and the run's log says why.
+        with pytest.raises(SimulationError, match="fedcat-epsilon"):
+            session.wait(session.submit({**DEPLOY_RUN, "fedcat-epsilon": 1.5, "output-dir": str(output)}), timeout=120)
         run_id = session.submit({**DEPLOY_RUN, "strategy": "fedavg", "num-server-rounds": 1, "output-dir": str(output)})
         session.wait(run_id, timeout=400)
     metrics = read_metrics(output)

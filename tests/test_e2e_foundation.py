@@ -1,11 +1,10 @@
-"""FedAvg end to end through a `flwr run` simulation, and a bad run config refused naming its key.
-(Real SuperLink/SuperNode processes: tests/test_readme_deployment.py runs the README's block.)"""
+"""FedAvg end to end through a `flwr run` simulation. (Real SuperLink/SuperNode processes:
+tests/test_readme_deployment.py runs the README's block; a bad run config refused by the ServerApp
+of a real deployment: tests/test_deploy_tls.py; by the launcher before it starts: tests/test_launch.py.)"""
 
 from __future__ import annotations
 
 import pytest
-
-from concatfl.deployment.processes import SimulationError
 
 from .e2e import leftover_processes, run_simulation
 
@@ -26,8 +25,3 @@ def test_simulation_fedavg_learns_and_writes_metrics(tmp_path):
     assert metrics["final_accuracy"] > metrics["initial"]["accuracy"] + 0.2
     assert leftover_processes(tmp_path) == []
 
-
-def test_simulation_with_invalid_config_fails_naming_the_key(tmp_path):
-    with pytest.raises(SimulationError, match="fedcat-epsilon"):
-        run_simulation(tmp_path, {"fedcat-epsilon": 1.5}, num_supernodes=2)
-    assert leftover_processes(tmp_path) == []

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from concatfl import launch
+from concatfl.config import ConfigError
 from concatfl.deployment.cli import STATUS_QUERY_TRIES, FlowerCli
 from concatfl.deployment.processes import SimulationError
 from concatfl.deployment.session import FlowerSession
@@ -48,6 +49,12 @@ def test_bad_run_config_fails_at_once_with_one_message(run_config, message, tmp_
     assert err.startswith(f"concatfl.launch: {message}")
     assert err.count("\n") == 1 and "Traceback" not in err
     assert elapsed < 1.0
+    assert not (tmp_path / "work").exists()
+
+
+def test_run_simulation_refuses_a_bad_run_config_naming_the_key_before_anything_starts(tmp_path, nothing_may_start):
+    with pytest.raises(ConfigError, match="fedcat-epsilon"):
+        launch.run_simulation({"fedcat-epsilon": 1.5}, 2, workdir=tmp_path / "work")
     assert not (tmp_path / "work").exists()
 
 
