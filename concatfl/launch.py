@@ -57,10 +57,12 @@ def run_simulation(
     Ray cluster's head, as `ray start --head` prints it) runs the simulation's ClientApp actors on
     that cluster instead of a Ray instance of its own (Flower's Ray backend connects through
     RAY_ADDRESS; each actor asks for `cpus_per_client` CPUs and `gpus_per_client` GPUs there).
-    Raises ConfigError (naming the key) for a bad run-config value before anything starts, and
-    SimulationError (with the log tail) unless the run ends `finished:completed`.
+    Raises ConfigError (naming the key) for a bad run-config value of concatfl's own app before
+    anything starts (another app's keys are its own), and SimulationError (with the log tail)
+    unless the run ends `finished:completed`.
     """
-    RunConfig.from_mapping(run_config)  # the ServerApp would refuse it only after a simulation's start-up
+    if Path(app_dir).resolve() == PROJECT_DIR.resolve():
+        RunConfig.from_mapping(run_config)  # the ServerApp would refuse it only after a simulation's start-up
     scratch = workdir is None
     workdir = Path(workdir or tempfile.mkdtemp(prefix="concatfl-run-")).resolve()
     default_output = app_config(app_dir).get("output-dir", "outputs") if scratch else workdir / "output"

@@ -5,14 +5,16 @@ test_logs.py and test_e2e_foundation.py run the real thing)."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
 import pytest
+from flwr.cli.build import build_fab_from_disk
 
-from concatfl import launch
+from concatfl import PROJECT_DIR, launch
 from concatfl.config import ConfigError
-from concatfl.deployment.cli import STATUS_QUERY_TRIES, FlowerCli
+from concatfl.deployment.cli import STATUS_QUERY_TRIES, FlowerCli, stage_app
 from concatfl.deployment.processes import SimulationError
 from concatfl.deployment.session import FlowerSession
 from concatfl.launch import main, parse_overrides
@@ -187,6 +189,11 @@ def test_without_workdir_a_failed_run_keeps_its_files_and_says_where(tmp_path, s
     assert kept.exists() and str(kept) in "".join(caught.value.__notes__)
 
 
+def test_another_apps_run_config_keys_are_left_to_its_serverapp(tmp_path, stand_in):
+    metrics = launch.run_simulation({"variant": "mine"}, 2, workdir=tmp_path / "work", app_dir=tmp_path)
+    assert metrics["run_config"]["variant"] == "mine"
+
+
 def test_with_workdir_everything_stays_there(tmp_path, stand_in):
     metrics = launch.run_simulation({}, 2, workdir=tmp_path / "work")
     assert metrics["run_config"]["output-dir"] == str(tmp_path / "work" / "output")
@@ -237,3 +244,23 @@ def test_waiting_for_a_run_gives_up_after_consecutive_failed_queries_and_says_wh
     cli = _cli_answering(tmp_path, monkeypatch, [_listing("running")] + [FAILED_QUERY] * STATUS_QUERY_TRIES)
     with pytest.raises(SimulationError, match="querying run 7 failed: Deadline Exceeded"):
         cli.wait("7")
+
+
+def test_the_staged_app_builds_the_fab_flower_builds_from_the_app_folder(tmp_path):
+    # An app folder with what Flower's rules leave out: a .venv, a .gitignore'd folder, tests.
+    app = tmp_path / "app"
+    shutil.copytree(PROJECT_DIR / "tests/apps/stateful", app)
+    (app / "pkg").mkdir()
+    (app / "pkg/__init__.py").write_text("VALUE = 1\n")
+    (app / "pkg/test_value.py").write_text("def test(): pass\n")
+    for folder in (".venv/lib/python3.11/site-packages/dep", "outputs"):
+        (app / folder).mkdir(parents=True)
+        (app / folder / "module.py").write_text("x = 1\n")
+    (app / ".gitignore").write_text("outputs/\n")
+
+    staged = stage_app(app, tmp_path / "staged")
+
+    assert build_fab_from_disk(staged) == build_fab_from_disk(app)
+    assert (staged / "pkg/__init__.py").is_file() and not (staged / ".venv").exists()
+    assert stage_app(app, tmp_path / "staged") == staged  # staged again over the last one
+
