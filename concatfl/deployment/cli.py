@@ -179,7 +179,7 @@ class FlowerCli:
         printer = _print_log_in_background(follower.stdout) if follower is not None else None
         deadline = None if timeout is None else time.monotonic() + timeout
         # A status query costs milliseconds here, a CLI process (~1.5 s of CPU) in another namespace.
-        pause = 0.5 if self.cli_netns is None else 1.0
+        pause, longest_pause = (0.5, 1.0) if self.cli_netns is None else (1.0, 5.0)
         failed_queries = 0
         try:
             while True:
@@ -196,7 +196,7 @@ class FlowerCli:
                 if deadline is not None and time.monotonic() > deadline:
                     raise SimulationError(f"run {run_id} did not finish within {timeout} s")
                 time.sleep(pause)
-                pause = min(pause * 1.5, 1.0 if self.cli_netns is None else 5.0)
+                pause = min(pause * 1.5, longest_pause)
             if follower is not None:
                 follower.wait(timeout=30)
         finally:
