@@ -19,6 +19,11 @@ import types
 
 import flwr.superlink.grid.http_grid as http_grid
 import pytest
+from flwr.app import ConfigRecord, Message, Metadata, RecordDict
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+from flwr.supercore.object_store.in_memory_object_store import InMemoryObjectStore
+from flwr.supercore.run import Run, RunNotRunningException
+from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
 
 import concatfl.deployment.supernode as supernode
 from concatfl.deployment.grid import StableNodeGrid, use_short_reply_backoff
@@ -54,8 +59,8 @@ def changed_loop(source: str) -> types.ModuleType:
 
 
 KNOWN_LOOP = (
-    "import time\ndef pull_objects(*args, **kwargs):\n    pass\ndef _pull_and_store_message():\n    return 7\n"
-    "def loop():\n    run_id = _pull_and_store_message()\n    time.sleep(3)\n    time.sleep(0.5)\n"
+    "import time\ndef pull_objects(*args, **kwargs):\n    pass\ndef _pull_and_store_message(state, object_store):\n"
+    "    return 7\ndef loop():\n    run_id = _pull_and_store_message(state=1, object_store=2)\n    time.sleep(3)\n    time.sleep(0.5)\n"
     "    time.sleep(0.5)\n    pull_objects(1, 2)\n"
 )
 
@@ -64,13 +69,15 @@ KNOWN_LOOP = (
     ("source", "problem"),
     [
         ("import time\ndef loop():\n    time.sleep(3)\n    time.sleep(0.5)\n", "fixed sleeps [0.5, 3]"),
-        ("import time\ndef _pull_and_store_message():\n    pass\ndef loop():\n    _pull_and_store_message()\n"
-         "    time.sleep(3)\n    time.sleep(0.5)\n    time.sleep(0.5)\n", "0 calls of pull_objects"),
+        ("import time\ndef _pull_and_store_message():\n    pass\ndef loop():\n"
+         "    _pull_and_store_message(state=1, object_store=2)\n    time.sleep(3)\n    time.sleep(0.5)\n    time.sleep(0.5)\n",
+         "0 calls of pull_objects"),
         ("import time\ndef loop(pull_objects):\n    time.sleep(3)\n    time.sleep(0.5)\n    time.sleep(0.5)\n"
          "    pull_objects(1, 2)\n", "0 calls of _pull_and_store_message"),
-        ("import time\ndef _pull_and_store_message():\n    pass\ndef loop(pull_objects):\n    _pull_and_store_message()\n"
-         "    time.sleep(3)\n    time.sleep(0.5)\n    time.sleep(0.5)\n    pull_objects(1, 2, initial_backoff=1)\n",
+        ("import time\ndef _pull_and_store_message():\n    pass\ndef loop(pull_objects):\n"
+         "    _pull_and_store_message(state=1, object_store=2)\n    time.sleep(3)\n    time.sleep(0.5)\n    time.sleep(0.5)\n    pull_objects(1, 2, initial_backoff=1)\n",
          "already called with a backoff"),
+        (KNOWN_LOOP.replace("state=1, object_store=2", "1, 2"), "called without the keywords ['object_store', 'state']"),
     ],
 )
 def test_a_loop_of_another_shape_keeps_flowers_waits_with_a_warning(monkeypatch, capsys, source, problem):
@@ -89,7 +96,7 @@ def test_a_loop_of_the_known_shape_is_adjusted(monkeypatch):
     stored = []
     assert supernode.adjust(loop, idle_poll=0.2, on_message=lambda: stored.append(1))
     assert loop.time is not time and loop.pull_objects.keywords == SHORT_PULL_BACKOFF
-    assert loop._pull_and_store_message() == 7 and stored == [1]  # the message step tells the executor
+    assert loop._pull_and_store_message(state=1, object_store=2) == 7 and stored == [1]  # the step tells the executor
     assert not supernode.adjust(changed_loop(KNOWN_LOOP), idle_poll=None)  # CONCATFL_SUPERNODE_WAITS=flower
 
 
@@ -127,21 +134,74 @@ def test_shorten_waits_changes_only_the_given_module(monkeypatch):
     loop = types.ModuleType("loop")
     loop.time = supernode.time
     loop.pull_objects = lambda ids, fn, **kwargs: pulled.append((ids, kwargs))
-    loop._pull_and_store_message = lambda: None if clock.now < 200 else 42
+    loop._pull_and_store_message = lambda state, object_store: None if clock.now < 200 else 42
     polls = supernode.IdlePolls(0.3, clock)
     supernode.shorten_waits(loop, polls, on_message=lambda: stored.append(clock.now))
     loop.time.sleep(3)
     loop.time.sleep(0.5)
     clock.now = 150.0  # idle for 50 s
-    assert loop._pull_and_store_message() is None
+    assert loop._pull_and_store_message(state=None, object_store=None) is None
     loop.time.sleep(3)
     clock.now = 200.0
-    assert loop._pull_and_store_message() == 42  # a message: fast polls, and the executor is told
+    assert loop._pull_and_store_message(state=None, object_store=None) == 42  # a message: fast polls, and the executor is told
     loop.time.sleep(3)
     loop.pull_objects(["a"], None)
     assert slept == [0.3, 0.05, 3.0, 0.3] and stored == [200.0]
     assert pulled == [(["a"], {"initial_backoff": 0.05, "backoff_cap": 0.1, "max_tries_per_object": None})]
     assert loop.time is not supernode.time and supernode.time.sleep == slept.append  # the process's `time` is untouched
+
+
+def message_step_of_a_run(run_id: int, running: bool):
+    """Flower's own message step on a real node state, for one train message of run `run_id`
+    (already known to the node) whose objects the SuperLink serves if the run is `running`, else
+    answers that it is not: (state, call, message)."""
+    state = InMemoryNodeState(object_store := InMemoryObjectStore())
+    state.set_node_id(7)
+    state.store_run(Run.create_empty(run_id))
+    metadata = Metadata(run_id=run_id, message_id="", src_node_id=1, dst_node_id=7, reply_to_message_id="",
+                        group_id="1", created_at=0.0, ttl=3600.0, message_type="train")
+    message = Message(content=RecordDict({"config": ConfigRecord({"lr": 0.1})}), metadata=metadata)
+    message.metadata.__dict__["_message_id"] = message.object_id
+    objects = {object_id: found.deflate() for object_id, found in get_all_nested_objects(message).items()}
+
+    def pull_object(_run_id: int, object_id: str) -> bytes:
+        if not running:
+            raise RunNotRunningException()
+        return objects[object_id]
+
+    def call():
+        return SUPERNODE_LOOP._pull_and_store_message(
+            state=state, object_store=object_store, node_config={}, receive=lambda: (message, get_object_tree(message)),
+            get_run=None, get_fab=None, pull_object=pull_object, confirm_message_received=lambda *ids: None,
+            trusted_entities=None)
+
+    return state, call, message
+
+
+def test_a_message_of_a_run_that_stopped_leaves_no_task_behind(monkeypatch):
+    # Flower 1.42's own step keeps the task and the listed message whose objects never come (the
+    # SuperLink restarted and lost the run): an executor would wait for them.
+    state, call, message = message_step_of_a_run(5, running=False)
+    assert call() is None
+    (task,) = state.get_tasks()
+    assert task.status.status == "pending" and list(state.msg_store) == [message.object_id]
+    # Through the launcher: the message is dropped and the task failed, as Flower's step does
+    # when a pull fails for another reason; the executor is not woken.
+    for name in ("time", "pull_objects", "_pull_and_store_message"):
+        monkeypatch.setattr(SUPERNODE_LOOP, name, getattr(SUPERNODE_LOOP, name))
+    woken = []
+    supernode.shorten_waits(SUPERNODE_LOOP, supernode.IdlePolls(0.2), on_message=lambda: woken.append(1))
+    state, call, message = message_step_of_a_run(5, running=False)
+    assert call() is None and woken == []
+    (task,) = state.get_tasks()
+    assert (task.status.status, task.status.sub_status) == ("finished", "failed")
+    assert "no longer running" in task.status.details
+    assert not state.msg_store and state.object_store.get(message.object_id) is None
+    # A message whose objects arrive is stored, its task left for the executor, which is woken.
+    state, call, message = message_step_of_a_run(6, running=True)
+    assert call() == 6 and woken == [1]
+    (task,) = state.get_tasks()
+    assert task.status.status == "pending" and list(state.msg_store) == [message.object_id]
 
 
 def test_the_environment_picks_the_waits_and_bad_values_name_the_variable():

@@ -290,7 +290,7 @@ def run_one(
         run_id = session.submit(config)
         chaos.join_later(late, settings.late_delay, lambda: checkpointed_round(output) >= settings.late_after_round)
         if strategy == settings.superlink_restart:
-            outcome["superlink_restart"] = restart_superlink(session, chaos, settings, config, output, deadline)
+            outcome["superlink_restart"] = restart_superlink(session, chaos, settings, config, output, deadline, run_id)
             run_id = outcome["superlink_restart"]["resumed_run"]
         session.wait(run_id, timeout=max(1.0, deadline - time.monotonic()))
         outcome["completed"] = True
@@ -306,10 +306,12 @@ def run_one(
 
 
 def restart_superlink(
-    session: FlowerSession, chaos: Chaos, settings: Settings, config: dict[str, Any], output: Path, deadline: float
+    session: FlowerSession, chaos: Chaos, settings: Settings, config: dict[str, Any], output: Path, deadline: float,
+    run_id: str,
 ) -> dict[str, Any]:
-    """Wait for the checkpoint of round `superlink_restart_after`, SIGKILL the SuperLink, start it
-    again on its database, wait for the SuperNodes, resubmit the run with resume=true."""
+    """Wait for the checkpoint of round `superlink_restart_after` of run `run_id`, SIGKILL the
+    SuperLink, start it again on its database, stop the killed run, wait for the SuperNodes,
+    resubmit the run with resume=true."""
     def checkpointed() -> int:
         return checkpointed_round(output)
 
@@ -322,6 +324,7 @@ def restart_superlink(
     found = {"round": checkpoint.server_round, "model": fingerprint_state(checkpoint.arrays)}
     chaos.note("superlink-killed", run=config["strategy"], checkpoint_round=found["round"])
     session.start_superlink()
+    session.stop(run_id)
     wait_for(lambda: len(online_node_ids(session)) >= config["min-available-nodes"], 180,
              "the SuperNodes to reconnect to the restarted SuperLink", interval=2.0)
     reconnected = time.monotonic()

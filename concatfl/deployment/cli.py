@@ -22,7 +22,7 @@ from typing import IO, Any
 import httpx
 import tomli_w
 from flwr.cli.build import build_fab_from_files
-from flwr.proto.control_pb2 import ListNodesRequest, ListRunsRequest  # pylint: disable=no-name-in-module
+from flwr.proto.control_pb2 import ListNodesRequest, ListRunsRequest, StopRunRequest  # pylint: disable=no-name-in-module
 from flwr.supercore.control.control_http_client import ControlHttpClient
 from flwr.supercore.interceptors.http.runtime_version import RuntimeVersionHttpInterceptor
 from flwr.supercore.logger import update_console_handler
@@ -154,6 +154,13 @@ class FlowerCli:
         if not listing.get("runs"):  # the CLI exits 0 when its request failed (e.g. timed out)
             raise SimulationError(f"querying run {run_id} failed: {listing.get('error-message', listing)}")
         return dict(listing["runs"][0])
+
+    def stop(self, run_id: str) -> None:
+        """Stop a run (`flwr stop`): the SuperLink marks it finished and refuses its messages."""
+        if self.cli_netns is not None:
+            self.flwr(["stop", run_id, CONNECTION])
+        elif not self._ask(f"stopping run {run_id}", lambda client: client.StopRun(StopRunRequest(run_id=int(run_id)))).success:
+            raise SimulationError(f"stopping run {run_id} failed: the SuperLink refused")
 
     def run_log(self, run_id: str) -> str:
         """The run's log as the SuperLink keeps it (`flwr log`)."""

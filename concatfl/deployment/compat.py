@@ -22,8 +22,10 @@ VERIFIED_WITH = "1.42.0"
 PULL_BACKOFF_KEYWORDS = frozenset({"initial_backoff", "backoff_cap", "max_tries_per_object"})
 # The SuperNode loop's fixed sleeps, as written in flwr/supernode/start_client_internal.py.
 SUPERNODE_SLEEPS = [0.5, 0.5, 3]
-# The SuperNode loop's step that pulls and stores a message (returns its run id, None when none came).
+# The SuperNode loop's step that pulls and stores a message (returns its run id, None when none came),
+# and the keywords the loop passes it that the launcher's wrapper reads (`supernode.MessageStep`).
 MESSAGE_STEP = "_pull_and_store_message"
+MESSAGE_STEP_KEYWORDS = frozenset({"state", "object_store"})
 # What the warm executor takes from Flower: module → the functions it calls, with the parameters
 # it passes (by name or, first, by position).
 CLIENTAPP_STEPS = {
@@ -71,6 +73,8 @@ def supernode_loop_problem(module: types.ModuleType) -> str | None:
     steps = calls(module, MESSAGE_STEP)
     if not callable(getattr(module, MESSAGE_STEP, None)) or len(steps) != 1:
         return f"{len(steps)} calls of {MESSAGE_STEP}, expected 1 (the loop's step that stores a message)"
+    if missing := sorted(MESSAGE_STEP_KEYWORDS - {keyword.arg for keyword in steps[0].keywords}):
+        return f"{MESSAGE_STEP} is called without the keywords {missing}"
     return _default_backoff_pull(module)
 
 

@@ -21,6 +21,12 @@ only those waits replaced, in that one module:
   middle of a run answers within its short poll;
 - the 0.5 s checks by 0.05 s (they read the SuperNode's own memory);
 - the object-pull backoff by `SHORT_PULL_BACKOFF` (0.05 s doubling up to 0.1 s).
+It also finishes what Flower's message step leaves behind when the SuperLink answers that a
+message's run is no longer running (a run that ended, or one a restarted SuperLink lost): Flower
+logs "Ignoring message" but keeps the task it created and the message it listed, whose objects
+never come; an executor that claims that task waits for them, and every later task of the node
+(the resumed run's first query) waits behind it. `MessageStep` drops that message and fails that
+task, as Flower's own step does when a pull fails for any other reason.
 Before it changes anything it reads the installed loop's source
 (`concatfl.deployment.compat.supernode_loop_problem`): a Flower whose loop has exactly these
 sleeps, this pull and this message step is adjusted, whatever its version; one whose loop changed
@@ -50,6 +56,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Mapping, Sequence
+from logging import WARNING
 
 from .compat import clientapp_steps_problem, supernode_loop_problem
 from .warm_executor import DEFAULT_POLL_INTERVAL, SHORT_PULL_BACKOFF, RuntimeConnection, Supervisor
@@ -139,13 +146,64 @@ def shorten_waits(module: types.ModuleType, polls: IdlePolls, on_message: Callab
 
     @functools.wraps(pull_and_store)
     def pull_store_and_tell(*args, **kwargs):
-        run_id = pull_and_store(*args, **kwargs)
+        step = MessageStep(kwargs["state"])
+        run_id = pull_and_store(*args, **{**kwargs, "state": step})
         if run_id is not None:
             polls.message_pulled()
             on_message()
+        else:
+            step.drop_abandoned(kwargs["object_store"])
         return run_id
 
     module._pull_and_store_message = pull_store_and_tell  # type: ignore[attr-defined]  # pylint: disable=protected-access
+
+
+class MessageStep:
+    """The SuperNode's state as one message step of its loop sees it: it remembers the task the
+    step created, the message it stored and whether it finished a task; everything else is the
+    state's own."""
+
+    def __init__(self, state) -> None:
+        self._state = state
+        self.task_id: int | None = None
+        self.message_id: str | None = None
+        self.finished = False
+
+    def __getattr__(self, name: str):
+        return getattr(self._state, name)
+
+    def create_task(self, *args, **kwargs) -> int | None:
+        """The state's `create_task`, remembered."""
+        self.task_id = self._state.create_task(*args, **kwargs)
+        return self.task_id
+
+    def store_message(self, message) -> str | None:
+        """The state's `store_message`, remembered."""
+        self.message_id = self._state.store_message(message)
+        return self.message_id
+
+    def finish_task(self, *args, **kwargs) -> bool:
+        """The state's `finish_task`, remembered."""
+        self.finished = True
+        return self._state.finish_task(*args, **kwargs)
+
+    def drop_abandoned(self, object_store) -> bool:
+        """After a step that returned no run: if it created a task and stored a message and left
+        both (Flower's "run is not in `RUNNING` status" path), drop the message and its objects
+        and fail the task, as Flower's step does for a failed pull. Returns whether it did."""
+        if self.task_id is None or self.message_id is None or self.finished:
+            return False
+        # pylint: disable=import-outside-toplevel
+        from flwr.common.constant import SubStatus
+        from flwr.supercore import log
+
+        self._state.delete_messages(message_ids=[self.message_id])
+        object_store.delete(self.message_id)
+        self._state.finish_task(self.task_id, sub_status=SubStatus.FAILED,
+                                details="The message's run is no longer running: message dropped")
+        log(WARNING, "[concatfl] message %s dropped and task %s failed: the run is no longer running",
+            self.message_id, self.task_id)
+        return True
 
 
 def adjust(module: types.ModuleType, idle_poll: float | None, on_message: Callable[[], None] = lambda: None) -> bool:

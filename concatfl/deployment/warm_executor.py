@@ -78,9 +78,10 @@ MESSAGE_WAIT_SECONDS = 30.0
 # answers that the run is no longer running (a run that ended, or one the SuperLink lost in a
 # restart) it drops the pull but leaves task and message behind: without a bound the worker
 # would wait Flower's PULL_MAX_TIME (2 h) for objects that never come, and every later task of
-# the node (a new run's included) would wait behind it. A SuperNode holds a whole message before
-# any of its objects become available, so this bounds the download of one message (LeNet-5's
-# 2.3 MB, a ResNet's tens of MB).
+# the node (a new run's included) would wait behind it. concatfl's SuperNode launcher drops such a
+# message and fails its task at once (`supernode.MessageStep`); this bound is for an executor beside
+# Flower's own SuperNode. A SuperNode holds a whole message before any of its objects become
+# available, so this bounds the download of one message (LeNet-5's 2.3 MB, a ResNet's tens of MB).
 OBJECTS_WAIT_SECONDS = 60.0
 # Default seconds between two `AcquireTask` calls when idle (stock SuperExec: 1 s).
 DEFAULT_POLL_INTERVAL = 0.1
