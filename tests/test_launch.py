@@ -1,6 +1,6 @@
 """concatfl.launch without Flower: run-config errors before anything starts, the optional
-timeout, and where a run's files go (the session is replaced by a stand-in; the e2e tests in
-test_logs.py and test_e2e_foundation.py run the real thing)."""
+timeout, and where a run's files go (the session is replaced by a stand-in; the e2e test in
+test_e2e_foundation.py runs the real thing)."""
 
 from __future__ import annotations
 

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import io
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from concatfl.config import STRATEGIES, RunConfig
-from concatfl import PROJECT_DIR
 from concatfl.deployment.cli import colors_wanted, plain, readable_log
 from concatfl.runtime import ServerEnv
 from concatfl.strategies import build_strategy
@@ -123,43 +119,6 @@ def test_readable_log_shortens_each_clientapp_failure_to_one_line():
         FLOWER_LOG.splitlines(keepends=True)[6],
         failure_line,  # a failure at the very end of the log
     ]
-
-
-@pytest.mark.e2e
-def test_launcher_log_of_a_short_run_is_short_and_leaves_no_session_files(tmp_path):
-    """FedSeq (whose summary once printed the server's dataset tensors: ~350 lines) for 2 rounds.
-
-    Bound: Flower's 4 start lines (SuperLink, log stream, simulation, federation size), the start
-    line (how many nodes the run starts with), the run line (dataset, model, nodes), at most 5
-    summary lines (FedSeq's), FedSeq's grouping (one line, then one
-    per superclient: 4 here, one client each), one line per round (2), the end of the strategy,
-    the final accuracy and the launcher's last line: 14 + 5 + 2 = 21 lines.
-    """
-    scratch, cwd = tmp_path / "tmp", tmp_path / "cwd"
-    scratch.mkdir()
-    cwd.mkdir()
-    run_config = (
-        "strategy='fedseq' num-server-rounds=2 fedseq-pretrain-epochs=1 fedseq-min-samples=100 round-timeout=300.0"
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "concatfl.launch", "--num-supernodes", "4", "--run-config", run_config],
-        cwd=cwd,
-        env={**os.environ, "TMPDIR": str(scratch), "PYTHONPATH": str(PROJECT_DIR)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=900,
-    )
-    log = done.stdout
-    assert done.returncode == 0, log
-    lines = log.splitlines()
-    assert len(lines) <= 14 + 5 + 2, log
-    assert sum("[ROUND " in line for line in lines) == 2, log
-    assert "tensor" not in log and "Traceback" not in log and "default simulated SuperNodes" not in log
-    assert "\x1b[" not in log  # a pipe is not a terminal: no colour codes in the saved log
-    assert lines[-1].endswith(f"metrics: {cwd / 'outputs'}/metrics.json")
-    assert (cwd / "outputs" / "metrics.json").exists()
-    assert not list(scratch.glob("concatfl-run-*"))
 
 
 def test_colours_only_for_a_terminal_and_never_under_no_color(monkeypatch):
