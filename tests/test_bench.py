@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from concatfl.bench import BenchError, get_suite, run_suite, write_report
+from concatfl.bench import BenchError, get_suite, robustness, run_suite, write_report
 from concatfl.bench.__main__ import main
 from concatfl.bench.columns import FINAL_ACCURACY_PERCENT, TOTAL_MEGABYTES
 from concatfl.bench.data import Subsample, describe, shown_path, write_subsample
@@ -193,6 +193,16 @@ def test_a_failed_run_is_reported_after_the_others_ran(tmp_path):
     assert len(simulate.calls) == 4
     table = (tmp_path / "fedcat-digits" / "table.md").read_text()
     assert "| FedCat w/ DC (random selection) | – | – | – |" in table
+
+
+def test_each_seed_of_a_fuzzed_cell_meets_other_faults():
+    cells = robustness.suite().cells
+    fuzzed = [cell for cell in cells if cell.run_config.get("fuzz-share")]
+    clean = [cell for cell in cells if not cell.run_config.get("fuzz-share")]
+    assert fuzzed and clean
+    assert [cell_config(fuzzed[0], seed, {})["fuzz-seed"] for seed in (0, 1, 2)] == [0, 1, 2]
+    assert cell_config(fuzzed[0], 2, {}, {"fuzz-seed": 7})["fuzz-seed"] == 7  # --set wins
+    assert "fuzz-seed" not in cell_config(clean[0], 2, {})
 
 
 def test_every_cell_of_every_suite_is_a_valid_run_config():

@@ -118,8 +118,12 @@ def cell_config(
     workdir: Path | None = None,
 ) -> dict[str, Any]:
     """The run config of one seed of a cell (`data-dir` set for real datasets), with `overrides`
-    (the command line's --set) on top and ``{workdir}`` in string values replaced by `workdir`."""
+    (the command line's --set) on top and ``{workdir}`` in string values replaced by `workdir`.
+    A fuzzed cell draws its faults with the seed too (`fuzz-seed`, unless set): each seed meets
+    other faults, as it meets other data and another initial model."""
     config = {**cell.run_config, **(overrides or {}), "seed": seed}
+    if config.get("fuzz-share"):
+        config.setdefault("fuzz-seed", seed)
     if workdir is not None:
         folder = str(workdir.resolve())
         config = {k: v.replace("{workdir}", folder) if isinstance(v, str) else v for k, v in config.items()}
