@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
-from concatfl.core.bounds import bound_share, bounded_weight, move, reference, scale, update_norm
+from concatfl.core.bounds import bound_share, bounded_weight, move, reference, scale, stream_reference, update_norm
 from concatfl.strategies.aggregation import Aggregation
 from concatfl.strategies.common import Miss, Reply, Request, to_numpy, train_content
 from concatfl.strategies.fedconcat_stage1 import distribution_problem
@@ -142,6 +142,30 @@ def test_streams_keep_references_of_their_own_across_rounds():
     (head,) = guard.bound([reply(3, sent, arrays(150.0))], stream="head")
     (model,) = guard.bound([reply(3, sent, arrays(150.0))])
     assert head.share == 1.0 and model.share == pytest.approx(2.0 / 150.0)
+
+
+def test_a_stream_with_one_length_is_measured_against_the_others_too():
+    assert stream_reference([5.0, 1e6], [1.0, 2.0]) == 5.0  # two of its own: the others do not count
+    assert stream_reference([1e6], [1.0, 2.0, 3.0]) == 2.0  # alone: the lower median of (1, 2, 3, 10⁶)
+    assert stream_reference([1e6], []) == 1e6  # the run's very first reply: nothing to measure against
+    assert stream_reference([], [2.0]) == 2.0
+
+
+def test_the_first_reply_of_a_cluster_of_one_cannot_pass_times_a_million():
+    # FedConcat: cluster 1 has one member, whose earlier replies were all rejected; its first
+    # reply that arrives is × 10⁶. Its own length alone would be its reference.
+    guard = ReplyGuard("FedConcat", update_clip=4.0, weight_clip=0.0)
+    sent = arrays(0.0)
+    clusters = ["cluster-0", "cluster-1"]
+    guard.bound([reply(1, sent, arrays(1.0)), reply(2, sent, arrays(2.0))], stream="cluster-0", peers=clusters)
+    (lone,) = guard.bound([reply(3, sent, arrays(1e6))], stream="cluster-1", peers=clusters)
+    assert lone.reference == 2.0 and lone.share == pytest.approx(8.0 / 1e6)
+    (second,) = guard.bound([reply(3, sent, arrays(3.0))], stream="cluster-1", peers=clusters)
+    assert second.reference == 3.0  # (10⁶, 3) of its own now: the lower median
+    # A stream without peers is measured against its own lengths only (SCAFFOLD's Δc and Δy
+    # differ in scale): a lone first length passes.
+    (alone,) = guard.bound([reply(4, sent, arrays(50.0))], stream="control-delta")
+    assert alone.reference == 50.0 and alone.share == 1.0
 
 
 def test_a_node_bounded_or_rejected_in_several_rounds_is_named_once(caplog):

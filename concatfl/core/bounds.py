@@ -16,12 +16,19 @@ num-examples) is bounded the same way: at most c_w times the lower median of the
 The lower median (the ⌈n/2⌉-th smallest value) rather than the median: of two values it is the
 smaller, so one honest and one outsized reply give the honest one's length, not their mean.
 
+A reference rests on at least two lengths. One length alone is the reply's own (the first reply
+of a stream, e.g. a FedConcat cluster of one member whose earlier replies were all rejected):
+measured against itself, even a reply × 10⁶ would pass. Such a stream is measured against the
+recent lengths of its peers too, streams whose updates are of the same kind (FedConcat's other
+clusters; `stream_reference`); a stream without peers, or the very first reply of a run, has
+nothing else to be measured against.
+
 Models are `{name: numpy array}` mappings; everything here is pure numpy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -56,6 +63,12 @@ def reference(values: Iterable[float]) -> float | None:
     """r: the lower median of `values` (the ⌈n/2⌉-th smallest), None when there are none."""
     ordered = sorted(values)
     return float(ordered[(len(ordered) - 1) // 2]) if ordered else None
+
+
+def stream_reference(own: Sequence[float], others: Iterable[float]) -> float | None:
+    """r of a stream whose recent and current lengths are `own`: their lower median when there are
+    at least two, else the lower median of `own` with `others` (its peer streams' lengths)."""
+    return reference(own if len(own) >= 2 else [*own, *others])
 
 
 def bound_share(length: float, ref: float | None, clip: float, step: float = 1.0) -> float:

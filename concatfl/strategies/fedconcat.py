@@ -658,11 +658,13 @@ class FedConcat(RelayStrategy):
         self, server_round: int, hop: HopResult
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         bounded = []
-        for cluster in range(len(self.cluster_models)):
+        streams = [f"cluster-{cluster}" for cluster in range(len(self.cluster_models))]
+        for cluster, stream in enumerate(streams):
             # Each cluster's members are measured against each other: clusters differ in data,
-            # and so in how far an ordinary round moves their model.
+            # and so in how far an ordinary round moves their model. A cluster with fewer than two
+            # lengths so far (one member, its earlier replies lost) is measured with the others.
             replies = self.guard.bound(
-                [reply for reply in hop.replies if reply.request.tag == cluster], stream=f"cluster-{cluster}"
+                [reply for reply in hop.replies if reply.request.tag == cluster], stream=stream, peers=streams
             )
             bounded += replies
             if replies:

@@ -9,7 +9,9 @@ reply wrecks the global model for good. `ReplyGuard.bound` applies the rule of
 
 * its update (returned − sent) moves the model at most `update_clip` times the reference length
   r of its *stream* (the lower median of the recent lengths of updates of the same kind: FedAvg's
-  client updates, FedCat's and FedSeq's first hops, SCAFFOLD's Δy, FedConcat's head updates…);
+  client updates, FedCat's and FedSeq's first hops, SCAFFOLD's Δy, FedConcat's head updates…),
+  or of every stream while its own has fewer than two lengths (`core.bounds.stream_reference`:
+  a lone length would be the reply's own);
 * its weight (num-examples) counts at most `weight_clip` times the lower median of the recent
   weights of all replies (a node's data size does not depend on the kind of message it answers;
   one reference for all streams also keeps a few large members of one FedConcat cluster from
@@ -45,6 +47,7 @@ from ..core.bounds import (
     move,
     reference,
     scale,
+    stream_reference,
     update_norm,
 )
 from .common import ARRAYS_KEY, METRICS_KEY, NUM_EXAMPLES_KEY, Miss, Reply, jsonable, to_numpy, to_record
@@ -103,6 +106,7 @@ class ReplyGuard:
         key: str = ARRAYS_KEY,
         from_zero: bool = False,
         weights: bool = True,
+        peers: Sequence[str] = (),
     ) -> list[Reply]:
         """The replies with their updates and weights bounded (new `Reply` objects; a reply
         within every bound keeps its arrays object).
@@ -114,7 +118,9 @@ class ReplyGuard:
         bounded num-examples are n (a chain's running mean); `hop_clip` a further bound (a chain's
         later hops). `key` is the ArrayRecord bounded; `from_zero`: its arrays are updates
         themselves (SCAFFOLD), else models to compare with what was sent. `weights`: bound
-        num-examples too. Each returned reply carries `length`, `reference` and `share`.
+        num-examples too. `peers`: streams whose updates are of the same kind (FedConcat's other
+        clusters); their lengths complete a reference that rests on fewer than two of the
+        stream's own. Each returned reply carries `length`, `reference` and `share`.
         """
         if not replies:
             return []
@@ -123,7 +129,8 @@ class ReplyGuard:
         returned = [reply.numpy(key) for reply in replies]
         lengths = [update_norm(origin, values) for origin, values in zip(origins, returned)]
         window = self._lengths.setdefault(stream, deque(maxlen=REFERENCE_WINDOW))
-        ref = reference([*window, *(lengths if joins else [])])
+        others = (length for name in peers if name != stream for length in self._lengths.get(name, ()))
+        ref = stream_reference([*window, *(lengths if joins else [])], others)
         weight_ref = reference([*self._weights, *(reply.num_examples for reply in replies)]) if weights else None
         bounded = []
         for index, (reply, origin, values, length) in enumerate(zip(replies, origins, returned, lengths)):
