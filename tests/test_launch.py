@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,21 @@ def test_waiting_for_a_run_gives_up_after_consecutive_failed_queries_and_says_wh
     cli = _cli_answering(tmp_path, monkeypatch, [_listing("running")] + [FAILED_QUERY] * STATUS_QUERY_TRIES)
     with pytest.raises(SimulationError, match="querying run 7 failed: Deadline Exceeded"):
         cli.wait("7")
+
+
+def test_a_stop_the_superlink_refuses_fails_with_its_reason(tmp_path, monkeypatch):
+    # In this process (the Control API's answer) and through the CLI in another network
+    # namespace, which exits 0 when the SuperLink refused.
+    cli = FlowerCli(tmp_path, "127.0.0.1:9093")
+    monkeypatch.setattr(cli, "_ask", lambda what, call: types.SimpleNamespace(success=False))
+    with pytest.raises(SimulationError, match="stopping run 7 failed: the SuperLink refused"):
+        cli.stop("7")
+    netns = FlowerCli(tmp_path, "127.0.0.1:9093", cli_netns="host-b")
+    answers = {"ok": '{"success": true}', "refused": '{"success": false, "error-message": "Run 7 not found"}'}
+    monkeypatch.setattr(netns, "flwr", lambda args, timeout=120: answers[args[1]])
+    netns.stop("ok")
+    with pytest.raises(SimulationError, match="stopping run refused failed: Run 7 not found"):
+        netns.stop("refused")
 
 
 def test_the_staged_app_builds_the_fab_flower_builds_from_the_app_folder(tmp_path):

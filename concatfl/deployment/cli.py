@@ -157,10 +157,14 @@ class FlowerCli:
 
     def stop(self, run_id: str) -> None:
         """Stop a run (`flwr stop`): the SuperLink marks it finished and refuses its messages."""
-        if self.cli_netns is not None:
-            self.flwr(["stop", run_id, CONNECTION])
-        elif not self._ask(f"stopping run {run_id}", lambda client: client.StopRun(StopRunRequest(run_id=int(run_id)))).success:
-            raise SimulationError(f"stopping run {run_id} failed: the SuperLink refused")
+        if self.cli_netns is None:
+            stopped = self._ask(f"stopping run {run_id}", lambda client: client.StopRun(StopRunRequest(run_id=int(run_id))))
+            refusal = None if stopped.success else "the SuperLink refused"
+        else:  # the CLI exits 0 even when it failed
+            stopped = json.loads(self.flwr(["stop", run_id, CONNECTION, "--format", "json"]))
+            refusal = None if stopped.get("success") else stopped.get("error-message", stopped)
+        if refusal is not None:
+            raise SimulationError(f"stopping run {run_id} failed: {refusal}")
 
     def run_log(self, run_id: str) -> str:
         """The run's log as the SuperLink keeps it (`flwr log`)."""
