@@ -28,7 +28,8 @@ ENTRY_POINTS = [
     ("launch-ctrl-c", [sys.executable, "-m", "concatfl.launch", "--num-supernodes", "2", "--run-config",
                        "num-server-rounds=50"], "flwr-simulation", (signal.SIGINT,)),
     ("deploy-latency", [sys.executable, str(PROJECT_DIR / "scripts/deploy_latency.py"), "--nodes", "2",
-                        "--rounds", "20", "--variants", "warm-executor", "--out", "{workdir}/latency.json"],
+                        "--rounds", "20", "--variants", "warm-executor", "--idle-seconds", "1", "--out",
+                        "{workdir}/latency.json"],
      "warm_executor", (signal.SIGTERM, signal.SIGTERM)),  # as `timeout` does: the command, then its group
     ("soak", [sys.executable, "-m", "concatfl.bench", "soak", "--nodes", "4", "--strategies", "fedavg",
               "--rounds", "50", "--no-hang", "--out", "{workdir}"], "warm_executor", (signal.SIGTERM,)),
