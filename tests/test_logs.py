@@ -1,4 +1,5 @@
-"""What a user reads: the strategy summary, the run log the launcher prints, its length."""
+"""What a user reads: the strategy summary and the run log the launcher prints (the whole log of a
+real run, and its length: tests/test_e2e_foundation.py)."""
 
 from __future__ import annotations
 
