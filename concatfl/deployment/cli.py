@@ -81,9 +81,7 @@ class FlowerCli:
 
     def register_supernode(self, public_key: str | os.PathLike) -> int:
         """Register a SuperNode's public key (SuperNode authentication); returns its node id."""
-        registered = json.loads(self.flwr(["supernode", "register", str(public_key), CONNECTION, "--format", "json"]))
-        if not registered.get("success"):  # the CLI exits 0 even when it failed
-            raise SimulationError(f"registering {public_key} failed: {registered.get('error-message')}")
+        registered = self.flwr_json(["supernode", "register", str(public_key), CONNECTION], f"registering {public_key}")
         return int(registered["node-id"])
 
     def supernodes(self) -> list[dict[str, Any]]:
@@ -92,9 +90,8 @@ class FlowerCli:
         if self.cli_netns is None:
             listing = self._ask("listing the SuperNodes", lambda client: client.ListNodes(ListNodesRequest()))
             return [{"node-id": node.node_id, "status": node.status} for node in listing.nodes_info]
-        listing = json.loads(self.flwr(["supernode", "ls", CONNECTION, "--format", "json"]))
-        if "nodes" not in listing:  # the CLI exits 0 when the SuperLink refused (e.g. restarting)
-            raise SimulationError(f"listing the SuperNodes failed: {listing.get('error-message', listing)}")
+        listing = self.flwr_json(["supernode", "ls", CONNECTION], "listing the SuperNodes",
+                                 lambda answer: "nodes" in answer)
         return list(listing["nodes"])
 
     def _ask(self, what: str, call: Callable[[ControlHttpClient], Any]) -> Any:
@@ -121,6 +118,20 @@ class FlowerCli:
             raise SimulationError(f"`flwr {' '.join(args)}` failed:\n{done.stdout}\n{done.stderr}")
         return done.stdout
 
+    def flwr_json(
+        self,
+        args: list[str],
+        what: str,
+        answered: Callable[[dict[str, Any]], Any] = lambda answer: answer.get("success"),
+    ) -> dict[str, Any]:
+        """`flwr <args> --format json`'s answer; SimulationError naming `what` with Flower's error
+        message unless `answered(answer)` (the CLI exits 0 when the SuperLink refused or its
+        request timed out)."""
+        answer = json.loads(self.flwr([*args, "--format", "json"]))
+        if not answered(answer):
+            raise SimulationError(f"{what} failed: {answer.get('error-message', answer)}")
+        return answer
+
     def submit(
         self, run_config: Mapping[str, Any], app_dir: str | os.PathLike = PROJECT_DIR, federation_config: str = ""
     ) -> str:
@@ -129,13 +140,10 @@ class FlowerCli:
         config_file = self.workdir / "run-config.toml"
         config_file.write_text(tomli_w.dumps(dict(run_config)))
         app = stage_app(Path(app_dir), self.workdir / "app")
-        args = ["run", str(app), CONNECTION, "--run-config", str(config_file), "--format", "json"]
+        args = ["run", str(app), CONNECTION, "--run-config", str(config_file)]
         if federation_config:
             args += ["--federation-config", federation_config]
-        submitted = json.loads(self.flwr(args))
-        if not submitted.get("success"):
-            raise SimulationError(f"run submission failed: {submitted.get('error-message')}")
-        return str(submitted["run-id"])
+        return str(self.flwr_json(args, "run submission")["run-id"])
 
     def status(self, run_id: str) -> str:
         """The SuperLink's status of a run, e.g. `running` or `finished:completed`."""
@@ -150,21 +158,18 @@ class FlowerCli:
                 raise SimulationError(f"querying run {run_id} failed: the SuperLink does not list it")
             status = runs.run_dict[int(run_id)].status
             return {"status": ":".join(filter(None, (status.status, status.sub_status))), "status-details": status.details}
-        listing = json.loads(self.flwr(["ls", CONNECTION, "--run-id", run_id, "--format", "json"]))
-        if not listing.get("runs"):  # the CLI exits 0 when its request failed (e.g. timed out)
-            raise SimulationError(f"querying run {run_id} failed: {listing.get('error-message', listing)}")
+        listing = self.flwr_json(["ls", CONNECTION, "--run-id", run_id], f"querying run {run_id}",
+                                 lambda answer: answer.get("runs"))
         return dict(listing["runs"][0])
 
     def stop(self, run_id: str) -> None:
         """Stop a run (`flwr stop`): the SuperLink marks it finished and refuses its messages."""
-        if self.cli_netns is None:
+        if self.cli_netns is not None:
+            self.flwr_json(["stop", run_id, CONNECTION], f"stopping run {run_id}")
+        else:
             stopped = self._ask(f"stopping run {run_id}", lambda client: client.StopRun(StopRunRequest(run_id=int(run_id))))
-            refusal = None if stopped.success else "the SuperLink refused"
-        else:  # the CLI exits 0 even when it failed
-            stopped = json.loads(self.flwr(["stop", run_id, CONNECTION, "--format", "json"]))
-            refusal = None if stopped.get("success") else stopped.get("error-message", stopped)
-        if refusal is not None:
-            raise SimulationError(f"stopping run {run_id} failed: {refusal}")
+            if not stopped.success:
+                raise SimulationError(f"stopping run {run_id} failed: the SuperLink refused")
 
     def run_log(self, run_id: str) -> str:
         """The run's log as the SuperLink keeps it (`flwr log`)."""
