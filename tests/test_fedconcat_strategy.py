@@ -482,10 +482,8 @@ def test_classifier_rounds_send_encoders_once_then_only_the_classifier():
     assert final["classifier.weight"].shape == (NUM_CLASSES, 2 * 200)
 
 
-def test_classifier_is_the_num_examples_weighted_average_of_the_heads():
-    federation = Federation()
-    grid = federation.grid()
-    fed = strategy(encoder_rounds=1, classifier_rounds=1, init_classifier=True)
+def recorded_replies(grid: FakeGrid) -> list[Message]:
+    """The replies the strategy receives from `grid` from now on (the list fills as it runs)."""
     replies: list[Message] = []
     original = grid.send_and_receive
 
@@ -495,16 +493,54 @@ def test_classifier_is_the_num_examples_weighted_average_of_the_heads():
         return answered
 
     grid.send_and_receive = recording
+    return replies
+
+
+@pytest.mark.parametrize("head_memory", [False, True])
+def test_classifier_is_the_num_examples_weighted_average_of_the_heads(head_memory):
+    federation = Federation()
+    grid = federation.grid()
+    fed = strategy(encoder_rounds=1, classifier_rounds=1, init_classifier=True, head_memory=head_memory)
+    replies = recorded_replies(grid)
     result = run(fed, grid)
     heads = [r for r in replies if r.metadata.message_type == HEAD_MESSAGE_TYPE]
     assert len(heads) == 6
     expected = weighted_average(
         [numpy_of(r.content["arrays"]) for r in heads], [r.content["metrics"]["num-examples"] for r in heads]
     )
-    np.testing.assert_allclose(
-        result.arrays["classifier.weight"].numpy(), expected["classifier.weight"].numpy()
-    )
-    np.testing.assert_allclose(result.arrays["classifier.bias"].numpy(), expected["classifier.bias"].numpy())
+    # With the memory it is start + the weighted mean of the updates: equal up to float32 rounding.
+    for key in ("classifier.weight", "classifier.bias"):
+        np.testing.assert_allclose(result.arrays[key].numpy(), expected[key].numpy(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("head_memory", [False, True])
+def test_a_lost_head_reply_counts_with_its_nodes_last_update_under_the_head_memory(head_memory):
+    """Rounds 2 and 3 train the head; node 2's round-3 reply is lost. With the memory, round 3's
+    classifier is the weighted mean of the five fresh heads and of round 3's start moved by node
+    2's round-2 update; without it, the mean of the five heads."""
+    federation = Federation()
+    federation.faults[(2, HEAD_MESSAGE_TYPE)] = in_round(3, drop)
+    grid = federation.grid()
+    fed = strategy(encoder_rounds=1, classifier_rounds=2, head_memory=head_memory)
+    replies = recorded_replies(grid)
+    result = run(fed, grid)
+    sent = {(m.metadata.dst_node_id, m.content["config"]["server-round"]): numpy_of(m.content["arrays"])
+            for hop in hops_of(grid, HEAD_MESSAGE_TYPE) for m in hop}
+    round3 = [r for r in replies if r.metadata.message_type == HEAD_MESSAGE_TYPE][6:]
+    assert sorted(r.metadata.src_node_id for r in round3) == [0, 1, 3, 4, 5]
+    models = [numpy_of(r.content["arrays"]) for r in round3]
+    weights = [r.content["metrics"]["num-examples"] for r in round3]
+    if head_memory:
+        node2_round2 = next(r for r in replies[::-1] if r.metadata.message_type == HEAD_MESSAGE_TYPE and r.metadata.src_node_id == 2)
+        update = {key: node2_round2.content["arrays"][key].numpy() - sent[(2, 2)][key] for key in sent[(2, 2)]}
+        models.append({key: sent[(0, 3)][key] + update[key] for key in update})
+        weights.append(node2_round2.content["metrics"]["num-examples"])
+        assert fed.history[2]["head_memory"] == {"fresh": 5, "replayed": [2], "oldest_round": 2}
+    else:
+        assert "head_memory" not in fed.history[2]
+    expected = weighted_average(models, weights)
+    for key in ("classifier.weight", "classifier.bias"):
+        np.testing.assert_allclose(result.arrays[key].numpy(), expected[key].numpy(), rtol=1e-5, atol=1e-7)
 
 
 def test_classifier_init_from_cluster_heads_or_random():

@@ -43,6 +43,7 @@ from flwr.supercore import log
 from torch import nn
 
 from ..config import DEFAULT_ROUND_TIMEOUT
+from ..core.memory import UpdateMemory
 from ..core.clustering import agreement, assign_clusters, infer_label_distribution, nearest_cluster, nearest_profile
 from ..core.concat import (
     CLASSIFIER_WEIGHT,
@@ -181,6 +182,13 @@ class FedConcat(RelayStrategy):
     init_classifier : bool (default: False)
         True: start the classifier from the cluster heads (weights concatenated, biases
         summed); False: nn.Linear's default random init drawn from the strategy's generator.
+    head_memory : bool (default: True)
+        True: the classifier rounds aggregate the latest head update of every node heard from
+        so far (`core.memory`): a node whose reply is lost, or that was not sampled, counts
+        with its last update instead of not at all, so the head does not turn away from the
+        classes of whichever nodes the round missed. With every reply arriving and full
+        participation it is the plain average. False: the paper's average of the round's
+        replies only.
     fraction_train : float (default: 1.0)
         Fraction of nodes sampled per round: inside each cluster in the encoder rounds, among
         all clustered nodes in the classifier rounds (at least one node either way).
@@ -232,7 +240,10 @@ class FedConcat(RelayStrategy):
     keys, the layer that looks like its head, and what FedConcat needs from the model and the
     ClientApp) or when `make_model()`'s output is not its head applied to the head's input.
 
-    Faults: a missing, failed or rejected reply is left out of its aggregation in every stage.
+    Faults: a missing, failed or rejected reply is left out of its aggregation in every stage;
+    in the classifier rounds, with `head_memory`, its node's last accepted head update counts in
+    its place (recorded per round under ``head_memory``: fresh updates, nodes replayed, oldest
+    round replayed). A round without any accepted head reply keeps the classifier.
     A reported label distribution must be `num_classes` finite numbers, non-negative and summing
     to 1 (with ε-DP noise: finite and within the noise's range, `distribution_problem`); any
     other is rejected, and a well-formed one that its node's own model contradicts is not
@@ -267,6 +278,7 @@ class FedConcat(RelayStrategy):
         classifier_rounds: int = 20,
         classifier_steps: int = 3,
         init_classifier: bool = False,
+        head_memory: bool = True,
         fraction_train: float = 1.0,
         aggregation: str | Aggregation = "mean",
         feddyn: FedDynServer | None = None,
@@ -323,6 +335,7 @@ class FedConcat(RelayStrategy):
         self.classifier_rounds = classifier_rounds
         self.classifier_steps = classifier_steps
         self.init_classifier = init_classifier
+        self.head_memory = UpdateMemory() if head_memory else None
         self.fraction_train = fraction_train
         self.aggregation = as_aggregation(aggregation)
         self.feddyn = feddyn
@@ -652,7 +665,7 @@ class FedConcat(RelayStrategy):
         if self._hop_kind == ENCODER_BROADCAST:
             self.cached.update(reply.node_id for reply in hop.replies)
             return None, None
-        return self._aggregate_classifier(hop)
+        return self._aggregate_classifier(server_round, hop)
 
     def _aggregate_encoders(
         self, server_round: int, hop: HopResult
@@ -684,26 +697,35 @@ class FedConcat(RelayStrategy):
         metrics = aggregate_metricrecords([reply.content for reply in bounded], NUM_EXAMPLES_KEY)
         return self._ensemble(), metrics
 
-    def _aggregate_classifier(self, hop: HopResult) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def _aggregate_classifier(self, server_round: int, hop: HopResult) -> tuple[ArrayRecord | None, MetricRecord | None]:
         plan = self._classifier_round
         assert plan is not None
         missed = [reply.node_id for reply in hop.replies if reply.metrics.get(CACHE_MISS)]
         for node in missed:
             self.cached.discard(node)
             plan.trained.discard(node)
-        trained = [reply for reply in hop.replies if not reply.metrics.get(CACHE_MISS)]
-        plan.replies += self.guard.bound(trained, stream="head")
+        trained = self.guard.bound([reply for reply in hop.replies if not reply.metrics.get(CACHE_MISS)], stream="head")
+        plan.replies += trained
         if missed:
             log(WARNING, "Nodes %s have no feature cache; the encoders are sent to them again", missed)
             plan.cache_misses += missed
             self.record("cache_misses", sorted(plan.cache_misses))
         if not plan.replies:
             return None, None
-        self.classifier = self.aggregation.combine(
-            [r.numpy() for r in plan.replies], [r.num_examples for r in plan.replies]
-        )
+        self.classifier = self._combine_heads(server_round, plan, trained)
         metrics = aggregate_metricrecords([reply.content for reply in plan.replies], NUM_EXAMPLES_KEY)
         return self._concat_arrays(), metrics
+
+    def _combine_heads(self, server_round: int, plan: _ClassifierRound, fresh: list[Reply]) -> ArrayRecord:
+        """The round's classifier: its replies aggregated, or with the head memory every
+        remembered node's latest update applied to the round's start and aggregated."""
+        if self.head_memory is None:
+            return self.aggregation.combine([r.numpy() for r in plan.replies], [r.num_examples for r in plan.replies])
+        start = to_numpy(plan.start)
+        for reply in fresh:
+            self.head_memory.remember(reply.node_id, start, reply.numpy(), reply.num_examples, server_round)
+        self.record("head_memory", self.head_memory.summary(server_round))
+        return self.aggregation.combine(*self.head_memory.models(start))
 
     def _count_bytes(self, hop: HopResult) -> None:
         totals = self.bytes_by_stage[self._hop_kind]
@@ -868,6 +890,7 @@ class FedConcat(RelayStrategy):
             "encoders_id": self.encoders_id,
             "classifier": None if self.classifier is None else to_numpy(self.classifier),
             "cached": sorted(self.cached),
+            "head_memory": None if self.head_memory is None else self.head_memory.state_dict(),
             "bytes_by_stage": copy.deepcopy(self.bytes_by_stage),
         }
         return state
@@ -893,6 +916,8 @@ class FedConcat(RelayStrategy):
         self.encoders_id = saved["encoders_id"]
         self.classifier = None if saved["classifier"] is None else to_record(saved["classifier"])
         self.cached = set(saved["cached"])
+        if self.head_memory is not None:
+            self.head_memory.load_state_dict(saved["head_memory"] or {})
         self.bytes_by_stage = copy.deepcopy(saved["bytes_by_stage"])
 
 
@@ -915,6 +940,7 @@ def build(config: RunConfig, env: ServerEnv) -> FedConcat:
         classifier_rounds=config.fedconcat_classifier_rounds,
         classifier_steps=config.fedconcat_classifier_steps,
         init_classifier=config.fedconcat_init_classifier,
+        head_memory=config.fedconcat_head_memory,
         fraction_train=config.fraction_train,
         aggregation=aggregation_from_config(config),
         feddyn=feddyn_from_config(config, env),
