@@ -79,6 +79,12 @@ def _shape_reply(message: Message) -> Message:
     return reply_with(message, RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 5})}))
 
 
+def _million_times_reply(message: Message) -> Message:
+    arrays = ArrayRecord({k: Array((v.numpy() * 1e6).astype(np.float32))
+                          for k, v in message.content.array_records["arrays"].items()})
+    return reply_with(message, RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 5})}))
+
+
 def _error_reply(message: Message) -> Message:
     return Message(Error(code=1, reason="out of memory"), reply_to=message)
 
@@ -105,16 +111,20 @@ def test_two_rounds_compose():
     _assert_arrays(result.arrays, {k: v + np.float32(2 * shift) for k, v in _numpy(INITIAL).items()})
 
 
-@pytest.mark.parametrize("bad", [_nan_reply, _shape_reply, lambda m: None, _error_reply],
-                         ids=["nan", "shape", "missing", "error"])
+@pytest.mark.parametrize("bad", [_nan_reply, _shape_reply, _million_times_reply, lambda m: None, _error_reply],
+                         ids=["nan", "shape", "times-a-million", "missing", "error"])
 def test_bad_reply_is_left_out_of_the_average(bad):
     nodes = BIG_IDS[:3]
     strategy = FedAvg(seed=0)
     result = strategy.start(_grid(nodes, {nodes[1]: bad}), INITIAL, num_rounds=1)
     _assert_arrays(result.arrays, _expected_average([nodes[0], nodes[2]]))
-    misses = strategy.history[0]["hops"][0]["misses"]
-    assert [miss["node"] for miss in misses] == [nodes[1]]
+    hop = strategy.history[0]["hops"][0]
+    assert [miss["node"] for miss in hop["misses"]] == [nodes[1]] and hop["replies"] == 2
+    if bad is _million_times_reply:  # well-formed, but no update: rejected by the guard, not clipped
+        assert hop["misses"][0]["reason"].startswith("rejected: update of length")
+        assert "clipped" not in strategy.history[0]["guard"]
     assert strategy.history[0]["aggregated"] is True
+    assert strategy.history[0]["membership"]["trained"] == 2
 
 
 def test_all_replies_failing_keeps_the_model_and_skips_evaluation():

@@ -8,7 +8,17 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
-from concatfl.core.bounds import bound_share, bounded_weight, move, reference, scale, stream_reference, update_norm
+from concatfl.core.bounds import (
+    REJECT_BEYOND,
+    bound_share,
+    bounded_weight,
+    move,
+    outsized,
+    reference,
+    scale,
+    stream_reference,
+    update_norm,
+)
 from concatfl.strategies.aggregation import Aggregation
 from concatfl.strategies.common import Miss, Reply, Request, to_numpy, train_content
 from concatfl.strategies.fedconcat_stage1 import distribution_problem
@@ -57,6 +67,14 @@ def test_bound_share(length, ref, clip, step, expected):
     assert bound_share(length, ref, clip, step) == pytest.approx(expected)
 
 
+def test_an_update_beyond_reject_beyond_bounds_is_outsized():
+    assert REJECT_BEYOND == 25.0
+    assert not outsized(100.0, 1.0, 4.0)  # 100 = 25 bounds of 4 × 1: still clipped
+    assert outsized(100.1, 1.0, 4.0)
+    assert not outsized(1e9, 1.0, 0.0)  # the bound off: nothing is outsized
+    assert not outsized(1e9, None, 4.0) and not outsized(1e9, 0.0, 4.0)  # nothing to measure against
+
+
 def test_bounded_weight():
     assert bounded_weight(10**12, 100.0, 4.0) == 400.0
     assert bounded_weight(150, 100.0, 4.0) == 150
@@ -83,22 +101,43 @@ def test_update_norm_and_scale_cover_floating_point_arrays_only():
 # ------------------------------------------------------------------ ReplyGuard
 
 
-def test_a_reply_times_a_million_is_scaled_to_the_bound_and_recorded():
+def test_a_long_reply_is_scaled_to_the_bound_and_recorded():
     guard = ReplyGuard("FedAvg", update_clip=4.0, weight_clip=4.0)
     guard.begin_round(1)
     sent = arrays(1.0, 1.0)
     honest = [reply(node, sent, arrays(1.0 + node / 10, 1.0)) for node in (1, 2, 3)]  # lengths 0.1, 0.2, 0.3
-    poisoned = reply(4, sent, arrays(1e6, 1e6))
-    bounded = guard.bound([*honest, poisoned])
-    # Reference: the lower median of (0.1, 0.2, 0.3, ~1.4e6) = 0.2; bound 4 × 0.2 = 0.8.
+    long = reply(4, sent, arrays(4.0, 5.0))  # length 5
+    bounded = guard.bound([*honest, long])
+    # Reference: the lower median of (0.1, 0.2, 0.3, 5) = 0.2; bound 4 × 0.2 = 0.8.
     assert [b.arrays for b in bounded[:3]] == [h.arrays for h in honest]  # untouched: the same objects
     update = to_numpy(bounded[3].arrays)["w"] - 1.0
     assert float(np.linalg.norm(update)) == pytest.approx(0.8, rel=1e-5)
-    np.testing.assert_allclose(update[0], update[1])  # in the direction the reply went
+    np.testing.assert_allclose(update, [0.8 * 3 / 5, 0.8 * 4 / 5], rtol=1e-5)  # in the direction the reply went
     (event,) = guard.round_record()["clipped"]
     assert (event["node"], event["stream"]) == (4, "model")
     assert event["bound"] == pytest.approx(0.8) and event["factor"] == pytest.approx(0.8 / bounded[3].length)
-    assert guard.round_record()["streams"]["model"]["max_length_ratio"] > 1e6
+    assert guard.round_record()["streams"]["model"]["max_length_ratio"] == pytest.approx(25.0)
+
+
+def test_a_reply_times_a_million_is_rejected_and_kept_out_of_the_references():
+    rejected = []
+    guard = ReplyGuard("FedAvg", update_clip=4.0, weight_clip=4.0, on_reject=lambda r, why: rejected.append((r, why)))
+    guard.begin_round(1)
+    sent = arrays(1.0, 1.0)
+    honest = [reply(node, sent, arrays(1.0 + node / 10, 1.0)) for node in (1, 2, 3)]
+    poisoned = reply(4, sent, arrays(1e6, 1e6), examples=10**6)
+    bounded = guard.bound([*honest, poisoned])
+    assert [b.node_id for b in bounded] == [1, 2, 3]
+    ((reply_out, why),) = rejected
+    assert reply_out is poisoned and "beyond 25 bounds, not an update" in why and "stream 'model'" in why
+    assert "clipped" not in guard.round_record()
+    # Its length did not join the reference: a later round measures against (0.1, 0.2, 0.3, 0.4),
+    # not (0.1, 0.2, 0.3, 1.4e6, 0.4), whose lower median would be 0.3.
+    (later,) = guard.bound([reply(5, sent, arrays(1.4, 1.0))])
+    assert later.reference == pytest.approx(0.2)
+    # Without a callback the guard logs it and leaves it out all the same.
+    alone = ReplyGuard("FedAvg", update_clip=4.0)
+    assert [b.node_id for b in alone.bound([*honest, poisoned])] == [1, 2, 3]
 
 
 def test_a_reply_of_a_trillion_examples_gets_the_bounded_weight():
@@ -128,7 +167,7 @@ def test_with_both_clips_off_every_reply_is_taken_as_it_is():
 
 def test_replies_that_are_updates_themselves_are_bounded_from_zero():
     guard = ReplyGuard("Scaffold", update_clip=2.0, weight_clip=0.0)
-    deltas = [reply(n, arrays(5.0), arrays(length)) for n, length in ((1, 1.0), (2, 1.0), (3, 100.0))]
+    deltas = [reply(n, arrays(5.0), arrays(length)) for n, length in ((1, 1.0), (2, 1.0), (3, 40.0))]
     bounded = guard.bound(deltas, stream="model-delta", from_zero=True)
     assert [float(to_numpy(b.arrays)["w"][0]) for b in bounded] == pytest.approx([1.0, 1.0, 2.0])
 
@@ -139,9 +178,9 @@ def test_streams_keep_references_of_their_own_across_rounds():
     guard.bound([reply(1, sent, arrays(1.0)), reply(2, sent, arrays(1.0))])  # "model": lengths 1
     guard.bound([reply(1, sent, arrays(100.0)), reply(2, sent, arrays(100.0))], stream="head")
     # A later round: the head's reference is 100 (not clipped), the model's window gives 1.
-    (head,) = guard.bound([reply(3, sent, arrays(150.0))], stream="head")
-    (model,) = guard.bound([reply(3, sent, arrays(150.0))])
-    assert head.share == 1.0 and model.share == pytest.approx(2.0 / 150.0)
+    (head,) = guard.bound([reply(3, sent, arrays(30.0))], stream="head")
+    (model,) = guard.bound([reply(3, sent, arrays(30.0))])
+    assert head.share == 1.0 and model.share == pytest.approx(2.0 / 30.0)
 
 
 def test_a_stream_with_one_length_is_measured_against_the_others_too():
@@ -151,17 +190,20 @@ def test_a_stream_with_one_length_is_measured_against_the_others_too():
     assert stream_reference([], [2.0]) == 2.0
 
 
-def test_the_first_reply_of_a_cluster_of_one_cannot_pass_times_a_million():
+def test_the_first_reply_of_a_cluster_of_one_cannot_pass_unbounded():
     # FedConcat: cluster 1 has one member, whose earlier replies were all rejected; its first
-    # reply that arrives is × 10⁶. Its own length alone would be its reference.
+    # reply that arrives is 25 times too long. Its own length alone would be its reference.
     guard = ReplyGuard("FedConcat", update_clip=4.0, weight_clip=0.0)
     sent = arrays(0.0)
     clusters = ["cluster-0", "cluster-1"]
     guard.bound([reply(1, sent, arrays(1.0)), reply(2, sent, arrays(2.0))], stream="cluster-0", peers=clusters)
-    (lone,) = guard.bound([reply(3, sent, arrays(1e6))], stream="cluster-1", peers=clusters)
-    assert lone.reference == 2.0 and lone.share == pytest.approx(8.0 / 1e6)
+    (lone,) = guard.bound([reply(3, sent, arrays(50.0))], stream="cluster-1", peers=clusters)
+    assert lone.reference == 2.0 and lone.share == pytest.approx(8.0 / 50.0)
     (second,) = guard.bound([reply(3, sent, arrays(3.0))], stream="cluster-1", peers=clusters)
-    assert second.reference == 3.0  # (10⁶, 3) of its own now: the lower median
+    assert second.reference == 3.0  # (50, 3) of its own now: the lower median
+    # × 10⁶ alone in its cluster: measured against the peers, and rejected.
+    guard.bound([reply(5, sent, arrays(1.0)), reply(6, sent, arrays(2.0))], stream="cluster-0", peers=clusters)
+    assert guard.bound([reply(7, sent, arrays(1e6))], stream="cluster-2", peers=[*clusters, "cluster-2"]) == []
     # A stream without peers is measured against its own lengths only (SCAFFOLD's Δc and Δy
     # differ in scale): a lone first length passes.
     (alone,) = guard.bound([reply(4, sent, arrays(50.0))], stream="control-delta")

@@ -104,7 +104,7 @@ class RelayStrategy(Strategy):
         self.seed = seed
         self.update_clip = update_clip
         self.weight_clip = weight_clip
-        self.guard = ReplyGuard(type(self).__name__, update_clip, weight_clip)
+        self.guard = ReplyGuard(type(self).__name__, update_clip, weight_clip, on_reject=self._reject_outsized)
         self.rng = np.random.default_rng(seed)
         self.history: list[dict[str, Any]] = []
         self.setup_record: dict[str, Any] = {}
@@ -230,6 +230,16 @@ class RelayStrategy(Strategy):
         hop.misses.append(miss)
         self.guard.note_rejected([miss])
         log(WARNING, "Node %s (%s) left out: %s", reply.node_id, reply.request.tag, problem)
+
+    def _reject_outsized(self, reply: Reply, problem: str) -> None:
+        """The guard's rejection of a reply too long to be an update: it leaves the replies of
+        the hop of this round that brought it (matched by its request) for that hop's misses."""
+        for hop in reversed(self._round_hops):
+            own = next((mine for mine in hop.replies if mine.request is reply.request), None)
+            if own is not None:
+                self.reject(hop, own, problem)
+                return
+        raise RuntimeError(f"the guard rejected a reply of node {reply.node_id} that no hop of this round brought")
 
     def evaluate_on_server(self, server_round: int) -> Callable[[ArrayRecord], MetricRecord | None] | None:
         """The run's `evaluate_fn` for models of round `server_round` (None when the run has none)."""

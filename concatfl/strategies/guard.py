@@ -11,7 +11,8 @@ reply wrecks the global model for good. `ReplyGuard.bound` applies the rule of
   r of its *stream* (the lower median of the recent lengths of updates of the same kind: FedAvg's
   client updates, FedCat's and FedSeq's first hops, SCAFFOLD's Δy, FedConcat's head updates…),
   or of every stream while its own has fewer than two lengths (`core.bounds.stream_reference`:
-  a lone length would be the reply's own);
+  a lone length would be the reply's own); an update longer than `core.bounds.REJECT_BEYOND`
+  bounds is rejected instead (`on_reject`: the strategy moves it to its hop's misses);
 * its weight (num-examples) counts at most `weight_clip` times the lower median of the recent
   weights of all replies (a node's data size does not depend on the kind of message it answers;
   one reference for all streams also keeps a few large members of one FedConcat cluster from
@@ -42,9 +43,11 @@ from ..core.bounds import (
     DEFAULT_UPDATE_CLIP,
     DEFAULT_WEIGHT_CLIP,
     REFERENCE_WINDOW,
+    REJECT_BEYOND,
     bound_share,
     bounded_weight,
     move,
+    outsized,
     reference,
     scale,
     stream_reference,
@@ -75,16 +78,24 @@ class ReplyGuard:
     weight_clip : float (default: DEFAULT_WEIGHT_CLIP)
         c_w ≥ 1: a reply's num-examples counts at most c_w times the lower median of the recent
         weights of all replies; 0 turns the bound off.
+    on_reject : Callable[[Reply, str], None] | None (default: None)
+        Told of every reply `bound` leaves out as too long to be an update, with the reason
+        (a strategy moves it to its hop's misses, `RelayStrategy.reject`); None: logged only.
     """
 
     def __init__(
-        self, strategy: str, update_clip: float = DEFAULT_UPDATE_CLIP, weight_clip: float = DEFAULT_WEIGHT_CLIP
+        self,
+        strategy: str,
+        update_clip: float = DEFAULT_UPDATE_CLIP,
+        weight_clip: float = DEFAULT_WEIGHT_CLIP,
+        on_reject: Callable[[Reply, str], None] | None = None,
     ) -> None:
         check_clip("update_clip", update_clip)
         check_clip("weight_clip", weight_clip)
         self.strategy = strategy
         self.update_clip = update_clip
         self.weight_clip = weight_clip
+        self.on_reject = on_reject
         self._lengths: dict[str, deque[float]] = {}
         self._weights: deque[float] = deque(maxlen=REFERENCE_WINDOW)
         self._round = 0
@@ -109,7 +120,9 @@ class ReplyGuard:
         peers: Sequence[str] = (),
     ) -> list[Reply]:
         """The replies with their updates and weights bounded (new `Reply` objects; a reply
-        within every bound keeps its arrays object).
+        within every bound keeps its arrays object), less those whose update is too long to be
+        one (`core.bounds.outsized`: handed to `on_reject`, their lengths and weights kept out
+        of the references).
 
         `stream` names the reference the replies are measured against; `joins`: their lengths
         join it (updates from a common start: FedAvg's, a chain's first hops), else they are
@@ -134,6 +147,11 @@ class ReplyGuard:
         weight_ref = reference([*self._weights, *(reply.num_examples for reply in replies)]) if weights else None
         bounded = []
         for index, (reply, origin, values, length) in enumerate(zip(replies, origins, returned, lengths)):
+            if outsized(length, ref, self.update_clip):
+                assert ref is not None
+                self._reject(reply, f"update of length {length:.4g}, {length / ref:.3g} times the reference {ref:.4g} "
+                             f"of stream '{stream}': beyond {REJECT_BEYOND:g} bounds, not an update")
+                continue
             content = reply.content
             num_examples = reply.num_examples
             if weights:
@@ -162,10 +180,17 @@ class ReplyGuard:
             )
         self._measure(stream if joins else f"{stream}/later", ref, max(lengths), weight_ref, replies)
         if joins:
-            window.extend(lengths)
+            window.extend(reply.length for reply in bounded)
         if weights:
-            self._weights.extend(reply.num_examples for reply in replies)
+            kept = {id(reply.request) for reply in bounded}
+            self._weights.extend(reply.num_examples for reply in replies if id(reply.request) in kept)
         return bounded
+
+    def _reject(self, reply: Reply, problem: str) -> None:
+        if self.on_reject is not None:
+            self.on_reject(reply, problem)
+        else:
+            log(WARNING, "%s: node %s left out: %s", self.strategy, reply.node_id, problem)
 
     # ------------------------------------------------------------------ records
     def begin_round(self, server_round: int) -> None:
