@@ -135,6 +135,12 @@ def test_a_reply_times_a_million_is_rejected_and_kept_out_of_the_references():
     # not (0.1, 0.2, 0.3, 1.4e6, 0.4), whose lower median would be 0.3.
     (later,) = guard.bound([reply(5, sent, arrays(1.4, 1.0))])
     assert later.reference == pytest.approx(0.2)
+    # The strategy's callback takes the reply out of the very list it passed (its hop's
+    # replies): the others are bounded all the same, each against its own origin.
+    listed = [poisoned, *honest]
+    guard.on_reject = lambda r, why: listed.remove(r)
+    assert [(b.node_id, b.share) for b in guard.bound(listed)] == [(1, 1.0), (2, 1.0), (3, 1.0)]
+    assert listed == honest
     # Without a callback the guard logs it and leaves it out all the same.
     alone = ReplyGuard("FedAvg", update_clip=4.0)
     assert [b.node_id for b in alone.bound([*honest, poisoned])] == [1, 2, 3]

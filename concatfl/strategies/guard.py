@@ -135,6 +135,7 @@ class ReplyGuard:
         clusters); their lengths complete a reference that rests on fewer than two of the
         stream's own. Each returned reply carries `length`, `reference` and `share`.
         """
+        replies = list(replies)  # `on_reject` may take a reply out of the list passed (a hop's replies)
         if not replies:
             return []
         sent: dict[int, dict[str, np.ndarray]] = {}  # a hop sends most of its replies' origin once
