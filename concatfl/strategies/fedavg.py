@@ -40,7 +40,8 @@ class FedAvg(RelayStrategy):
     Behaves like Flower's own FedAvg, plus what every concatfl strategy does: invalid replies
     (wrong shapes or dtypes, NaN/Inf, num-examples ≤ 0) are rejected with a logged reason,
     every reply's update and weight is bounded (`update_clip`, `weight_clip`: an outsized reply
-    is scaled down and recorded, never averaged as it is), bytes and seconds are measured per
+    is scaled down and recorded, never averaged as it is; one beyond 25 bounds is rejected as no
+    update at all, `core.bounds.outsized`), bytes and seconds are measured per
     round, and the run is reproducible from `seed`.
 
     Parameters
