@@ -43,7 +43,6 @@ from flwr.supercore import log
 from torch import nn
 
 from ..config import DEFAULT_ROUND_TIMEOUT
-from ..core.memory import UpdateMemory
 from ..core.clustering import agreement, assign_clusters, infer_label_distribution, nearest_cluster, nearest_profile
 from ..core.concat import (
     CLASSIFIER_WEIGHT,
@@ -58,6 +57,7 @@ from ..core.concat import (
     save_concat_model,
     split_model,
 )
+from ..core.memory import UpdateMemory
 from ..models import resolve_model_name
 from ..protocol import (
     CACHE_MISS,
@@ -335,7 +335,7 @@ class FedConcat(RelayStrategy):
         self.classifier_rounds = classifier_rounds
         self.classifier_steps = classifier_steps
         self.init_classifier = init_classifier
-        self.head_memory = UpdateMemory() if head_memory else None
+        self.head_memory = head_memory
         self.fraction_train = fraction_train
         self.aggregation = as_aggregation(aggregation)
         self.feddyn = feddyn
@@ -357,6 +357,7 @@ class FedConcat(RelayStrategy):
         self.encoders_id = ""
         self.classifier: ArrayRecord | None = None
         self.cached: set[int] = set()
+        self.head_updates = UpdateMemory()  # every node's latest head update, with `head_memory`
         self.bytes_by_stage: dict[str, dict[str, int]] = {s: {"sent": 0, "received": 0} for s in STAGES}
         # Within-round bookkeeping (rounds are never checkpointed half-way).
         self._hop_kind = ""
@@ -719,13 +720,13 @@ class FedConcat(RelayStrategy):
     def _combine_heads(self, server_round: int, plan: _ClassifierRound, fresh: list[Reply]) -> ArrayRecord:
         """The round's classifier: its replies aggregated, or with the head memory every
         remembered node's latest update applied to the round's start and aggregated."""
-        if self.head_memory is None:
+        if not self.head_memory:
             return self.aggregation.combine([r.numpy() for r in plan.replies], [r.num_examples for r in plan.replies])
         start = to_numpy(plan.start)
         for reply in fresh:
-            self.head_memory.remember(reply.node_id, start, reply.numpy(), reply.num_examples, server_round)
-        self.record("head_memory", self.head_memory.summary(server_round))
-        return self.aggregation.combine(*self.head_memory.models(start))
+            self.head_updates.remember(reply.node_id, start, reply.numpy(), reply.num_examples, server_round)
+        self.record("head_memory", self.head_updates.summary(server_round))
+        return self.aggregation.combine(*self.head_updates.models(start))
 
     def _count_bytes(self, hop: HopResult) -> None:
         totals = self.bytes_by_stage[self._hop_kind]
@@ -890,7 +891,7 @@ class FedConcat(RelayStrategy):
             "encoders_id": self.encoders_id,
             "classifier": None if self.classifier is None else to_numpy(self.classifier),
             "cached": sorted(self.cached),
-            "head_memory": None if self.head_memory is None else self.head_memory.state_dict(),
+            "head_updates": self.head_updates.state_dict(),
             "bytes_by_stage": copy.deepcopy(self.bytes_by_stage),
         }
         return state
@@ -916,8 +917,7 @@ class FedConcat(RelayStrategy):
         self.encoders_id = saved["encoders_id"]
         self.classifier = None if saved["classifier"] is None else to_record(saved["classifier"])
         self.cached = set(saved["cached"])
-        if self.head_memory is not None:
-            self.head_memory.load_state_dict(saved["head_memory"] or {})
+        self.head_updates.load_state_dict(saved["head_updates"])
         self.bytes_by_stage = copy.deepcopy(saved["bytes_by_stage"])
 
 
