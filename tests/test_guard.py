@@ -14,6 +14,7 @@ from concatfl.core.bounds import (
     bounded_weight,
     move,
     outsized,
+    outsized_alone,
     reference,
     scale,
     stream_reference,
@@ -73,6 +74,15 @@ def test_an_update_beyond_reject_beyond_bounds_is_outsized():
     assert outsized(100.1, 1.0, 4.0)
     assert not outsized(1e9, 1.0, 0.0)  # the bound off: nothing is outsized
     assert not outsized(1e9, None, 4.0) and not outsized(1e9, 0.0, 4.0)  # nothing to measure against
+
+
+def test_an_update_with_nothing_to_measure_it_against_is_outsized_beyond_reject_beyond_bounds_of_its_model():
+    origin = {"w": np.asarray([3.0, 4.0], dtype=np.float32), "steps": np.asarray(7)}  # norm 5 (counters do not count)
+    assert not outsized_alone(500.0, origin, 4.0)  # 25 bounds of 4 × 5
+    assert outsized_alone(500.1, origin, 4.0)
+    assert not outsized_alone(1e9, origin, 0.0)  # the bound off
+    assert not outsized_alone(1e9, None, 4.0)  # an update that is the reply itself: no model to measure against
+    assert not outsized_alone(1e9, {"w": np.zeros(2)}, 4.0)  # a model of norm 0 gives no scale
 
 
 def test_bounded_weight():
@@ -146,6 +156,25 @@ def test_a_reply_times_a_million_is_rejected_and_kept_out_of_the_references():
     assert [b.node_id for b in alone.bound([*honest, poisoned])] == [1, 2, 3]
 
 
+def test_the_first_reply_of_a_run_with_the_rest_of_its_hop_lost_is_measured_against_its_model():
+    # FedCat's first hop, K = 2, one reply lost: the other has no length but its own to be measured against.
+    rejected = []
+    guard = ReplyGuard("FedCat", update_clip=4.0, weight_clip=4.0, on_reject=lambda r, why: rejected.append(why))
+    guard.begin_round(1)
+    sent = arrays(3.0, 4.0)  # norm 5: rejected beyond 25 × 4 × 5 = 500
+    assert guard.bound([reply(1, sent, arrays(3e6, 4e6))]) == []
+    assert "no other to measure it against" in rejected[0] and "not an update" in rejected[0]
+    # An honest lone first reply is taken as sent, and its length is the stream's first.
+    (honest,) = guard.bound([reply(2, sent, arrays(3.5, 4.0))])
+    assert (honest.share, honest.reference) == (1.0, pytest.approx(0.5))
+    # Later hops that only measure (a chain's) against an empty window are alone too.
+    fresh = ReplyGuard("FedSeq", update_clip=4.0, weight_clip=0.0)
+    later = fresh.bound([reply(1, sent, arrays(3e6, 4e6)), reply(2, sent, arrays(3.5, 4.0))], joins=False)
+    assert [b.node_id for b in later] == [2]
+    # The bound off: nothing is rejected.
+    assert len(ReplyGuard("FedCat", update_clip=0.0, weight_clip=0.0).bound([reply(1, sent, arrays(3e6, 4e6))])) == 1
+
+
 def test_a_reply_of_a_trillion_examples_gets_the_bounded_weight():
     guard = ReplyGuard("FedAvg", update_clip=4.0, weight_clip=4.0)
     guard.begin_round(1)
@@ -158,6 +187,17 @@ def test_a_reply_of_a_trillion_examples_gets_the_bounded_weight():
     assert guard.round_record()["down-weighted"] == [
         {"node": 3, "tag": None, "stream": "model", "factor": pytest.approx(480 / 10**12), "reported": 10**12, "weight": 480}
     ]
+
+
+def test_a_down_weighted_reply_joins_the_weight_reference_with_its_bounded_weight():
+    # FedCat, K = 2: round 1's copies come back with 108 and 10¹² examples; round 2's hop has one
+    # reply, of 10¹² examples again. Had round 1's report joined as sent, the lower median of
+    # (108, 10¹², 10¹²) would take it as it is.
+    guard = ReplyGuard("FedCat", update_clip=4.0, weight_clip=4.0)
+    sent = arrays(0.0)
+    assert [b.num_examples for b in guard.bound([reply(1, sent, arrays(0.1), 108), reply(2, sent, arrays(0.1), 10**12)])] == [108, 432]
+    (lone,) = guard.bound([reply(3, sent, arrays(0.1), 10**12)], joins=False)
+    assert lone.num_examples == 4 * 432  # the lower median of (108, 432, 10¹²) is 432
 
 
 def test_with_both_clips_off_every_reply_is_taken_as_it_is():

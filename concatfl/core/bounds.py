@@ -27,8 +27,11 @@ A reference rests on at least two lengths. One length alone is the reply's own (
 of a stream, e.g. a FedConcat cluster of one member whose earlier replies were all rejected):
 measured against itself, even a reply × 10⁶ would pass. Such a stream is measured against the
 recent lengths of its peers too, streams whose updates are of the same kind (FedConcat's other
-clusters; `stream_reference`); a stream without peers, or the very first reply of a run, has
-nothing else to be measured against.
+clusters; `stream_reference`). A reply with no other length at all (the very first reply of a
+run with the rest of its hop lost, e.g. FedCat's first hop) is measured against the model it was
+sent: an update longer than REJECT_BEYOND·c times that model's norm is rejected
+(`outsized_alone`; no honest update moves a model a hundred times its own length, and a reply ×
+10⁶ is a million times it). That norm is no update length, so nothing is clipped against it.
 
 Models are `{name: numpy array}` mappings; everything here is pure numpy.
 """
@@ -95,6 +98,13 @@ def outsized(length: float, ref: float | None, clip: float) -> bool:
     """Whether an update of this `length` is too long to be an update at all: longer than
     REJECT_BEYOND·clip·r (never when `clip` is 0, the bound off, or there is no reference)."""
     return clip > 0 and ref is not None and ref > 0 and length > REJECT_BEYOND * clip * ref
+
+
+def outsized_alone(length: float, origin: Weights | None, clip: float) -> bool:
+    """Whether an update with no other length to be measured against is too long to be one: longer
+    than REJECT_BEYOND·clip times the norm of `origin`, the model it was sent (never for updates
+    that are replies themselves, origin None; never with `clip` 0, the bound off)."""
+    return origin is not None and outsized(length, float(np.linalg.norm(flatten(origin))), clip)
 
 
 def bounded_weight(weight: float, ref: float | None, clip: float) -> float:

@@ -12,7 +12,10 @@ reply wrecks the global model for good. `ReplyGuard.bound` applies the rule of
   client updates, FedCat's and FedSeq's first hops, SCAFFOLD's Δy, FedConcat's head updates…),
   or of every stream while its own has fewer than two lengths (`core.bounds.stream_reference`:
   a lone length would be the reply's own); an update longer than `core.bounds.REJECT_BEYOND`
-  bounds is rejected instead (`on_reject`: the strategy moves it to its hop's misses);
+  bounds is rejected instead (`on_reject`: the strategy moves it to its hop's misses), and so is
+  a reply with no other length at all whose update is longer than that many bounds of the norm
+  of the model it was sent (`core.bounds.outsized_alone`: the run's first reply, the rest of
+  its hop lost);
 * its weight (num-examples) counts at most `weight_clip` times the lower median of the recent
   weights of all replies (a node's data size does not depend on the kind of message it answers;
   one reference for all streams also keeps a few large members of one FedConcat cluster from
@@ -48,6 +51,7 @@ from ..core.bounds import (
     bounded_weight,
     move,
     outsized,
+    outsized_alone,
     reference,
     scale,
     stream_reference,
@@ -143,8 +147,10 @@ class ReplyGuard:
         returned = [reply.numpy(key) for reply in replies]
         lengths = [update_norm(origin, values) for origin, values in zip(origins, returned)]
         window = self._lengths.setdefault(stream, deque(maxlen=REFERENCE_WINDOW))
-        others = (length for name in peers if name != stream for length in self._lengths.get(name, ()))
+        others = [length for name in peers if name != stream for length in self._lengths.get(name, ())]
         ref = stream_reference([*window, *(lengths if joins else [])], others)
+        # No length but each reply's own: the model it was sent gives the scale of the rejection.
+        alone = not window and not others and (len(lengths) == 1 or not joins)
         weight_ref = reference([*self._weights, *(reply.num_examples for reply in replies)]) if weights else None
         bounded = []
         for index, (reply, origin, values, length) in enumerate(zip(replies, origins, returned, lengths)):
@@ -152,6 +158,10 @@ class ReplyGuard:
                 assert ref is not None
                 self._reject(reply, f"update of length {length:.4g}, {length / ref:.3g} times the reference {ref:.4g} "
                              f"of stream '{stream}': beyond {REJECT_BEYOND:g} bounds, not an update")
+                continue
+            if alone and outsized_alone(length, origin, self.update_clip):
+                self._reject(reply, f"update of length {length:.4g}, the first of stream '{stream}' with no other to measure "
+                             f"it against: beyond {REJECT_BEYOND:g} bounds of the norm of the model it was sent, not an update")
                 continue
             content = reply.content
             num_examples = reply.num_examples
@@ -182,9 +192,8 @@ class ReplyGuard:
         self._measure(stream if joins else f"{stream}/later", ref, max(lengths), weight_ref, replies)
         if joins:
             window.extend(reply.length for reply in bounded)
-        if weights:
-            kept = {id(reply.request) for reply in bounded}
-            self._weights.extend(reply.num_examples for reply in replies if id(reply.request) in kept)
+        if weights:  # as taken: a report of 10¹² examples joins as its bound, not as a new reference
+            self._weights.extend(reply.num_examples for reply in bounded)
         return bounded
 
     def _reject(self, reply: Reply, problem: str) -> None:
