@@ -251,7 +251,8 @@ def test_the_first_reply_of_a_cluster_of_one_cannot_pass_unbounded():
     guard.bound([reply(5, sent, arrays(1.0)), reply(6, sent, arrays(2.0))], stream="cluster-0", peers=clusters)
     assert guard.bound([reply(7, sent, arrays(1e6))], stream="cluster-2", peers=[*clusters, "cluster-2"]) == []
     # A stream without peers is measured against its own lengths only (SCAFFOLD's Δc and Δy
-    # differ in scale): a lone first length passes.
+    # differ in scale): a lone first length passes (its model, all zeros, gives `outsized_alone`
+    # no scale either).
     (alone,) = guard.bound([reply(4, sent, arrays(50.0))], stream="control-delta")
     assert alone.reference == 50.0 and alone.share == 1.0
 
