@@ -5,9 +5,13 @@ soak is `python -m concatfl.bench soak`)."""
 
 from __future__ import annotations
 
+import subprocess
+import time
+
 import pytest
 
-from concatfl.bench.soak import Settings, condition_settings, paired_summary, render_paired, soak
+from concatfl.bench.soak import Chaos, Settings, condition_settings, paired_summary, render_paired, soak
+from concatfl.deployment.fleet import Node
 from concatfl.metrics import read_metrics
 
 
@@ -41,6 +45,27 @@ def test_a_short_soak_completes_resumes_exactly_accepts_no_bad_reply_and_leaves_
         for copy, (before, after) in enumerate(zip(previous, record["data_sizes"])):
             assert (after == before) if copy in missed else (after > before), record
         previous = record["data_sizes"]
+
+
+def test_a_kill_due_during_a_pause_happens_when_the_pause_ends():
+    # The short soak's one kill fell due while the SuperLink restarted and was dropped: its run
+    # ended before the next period.
+    nodes = {i: Node(i, i, subprocess.Popen(["sleep", "60"])) for i in range(2)}
+    chaos = Chaos(None, None, nodes, Settings(kill_every=3.0, max_kills=1, seed=0), protected=set())
+    chaos.pause(True)
+    chaos.start()
+    try:
+        time.sleep(3.3)  # a kill fell due 0.3 s ago
+        assert chaos.events == [] and all(node.process.poll() is None for node in nodes.values())
+        chaos.pause(False)
+        time.sleep(1.5)  # well before the next period (2.7 s from now)
+        (kill,) = [event for event in chaos.events if event["kind"] == "supernode-killed"]
+        assert nodes[kill["node"]].process.poll() is not None
+    finally:
+        chaos.stop(wait=5.0)
+        for node in nodes.values():
+            node.process.kill()
+            node.process.wait()
 
 
 def test_the_paired_measure_gives_each_condition_its_faults_and_the_cost_against_clean():

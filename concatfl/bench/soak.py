@@ -179,7 +179,8 @@ class Chaos:
         self._spawn(self._loop)
 
     def pause(self, paused: bool) -> None:
-        """Stop (True) or resume (False) new kills, e.g. while the SuperLink restarts."""
+        """Stop (True) or resume (False) new kills, e.g. while the SuperLink restarts; a kill due
+        meanwhile happens on resuming."""
         (self._paused.set if paused else self._paused.clear)()
 
     def stop(self, wait: float = 180.0) -> None:
@@ -203,8 +204,11 @@ class Chaos:
     def _loop(self) -> None:
         count = max(1, math.ceil(self.settings.kill_share * len(self.nodes)))
         while not self._stop.wait(self.settings.kill_every):
-            if self._paused.is_set():
-                continue
+            # A kill that falls due during a pause happens when the pause ends, not a period later:
+            # a short run would otherwise see none (the SuperLink's restart outlasts a period).
+            while self._paused.is_set():
+                if self._stop.wait(0.5):
+                    return
             with self._lock:
                 killed = sum(event["kind"] == "supernode-killed" for event in self.events)
                 if self.settings.max_kills is not None and killed >= self.settings.max_kills:
