@@ -19,6 +19,7 @@ from concatfl.core.bounds import (
     scale,
     stream_reference,
     update_norm,
+    weight_jump,
 )
 from concatfl.strategies.aggregation import Aggregation
 from concatfl.strategies.common import Miss, Reply, Request, to_numpy, train_content
@@ -90,6 +91,14 @@ def test_bounded_weight():
     assert bounded_weight(150, 100.0, 4.0) == 150
     assert bounded_weight(10**12, 100.0, 0.0) == 10**12
     assert bounded_weight(10**12, None, 4.0) == 10**12
+
+
+def test_weight_jump():
+    assert weight_jump(10**12, 100, 120, 4.0)
+    assert not weight_jump(480, 100, 120, 4.0) and weight_jump(481, 100, 120, 4.0)  # 4 × max(100, 120)
+    assert not weight_jump(1000, 300, 100, 4.0)  # within 4 times its own 300
+    assert not weight_jump(10**12, None, 120, 4.0)  # a first report: nothing of its own to jump from
+    assert not weight_jump(10**12, 100, None, 4.0) and not weight_jump(10**12, 100, 120, 0.0)
 
 
 def test_move_keeps_dtypes_and_takes_counters_from_the_reply():
@@ -198,6 +207,25 @@ def test_a_down_weighted_reply_joins_the_weight_reference_with_its_bounded_weigh
     assert [b.num_examples for b in guard.bound([reply(1, sent, arrays(0.1), 108), reply(2, sent, arrays(0.1), 10**12)])] == [108, 432]
     (lone,) = guard.bound([reply(3, sent, arrays(0.1), 10**12)], joins=False)
     assert lone.num_examples == 4 * 432  # the lower median of (108, 432, 10¹²) is 432
+
+
+def test_a_report_that_jumps_beyond_its_own_and_the_reference_is_rejected_a_consistent_one_capped():
+    rejected = []
+    guard = ReplyGuard("FedConcat", on_reject=lambda r, problem: rejected.append((r.node_id, problem)))
+    sent = arrays(0.0)
+
+    def weights(*examples: int) -> list[tuple[int, int]]:
+        replies = [reply(node, sent, arrays(0.1), n) for node, n in enumerate(examples, start=1)]
+        return [(b.node_id, b.num_examples) for b in guard.bound(replies)]
+
+    # A large first report is capped (4 × the lower median 120): a large client and a liar look alike.
+    assert weights(100, 120, 2000) == [(1, 100), (2, 120), (3, 480)]
+    # Node 1 jumps from 100 to 10¹²: beyond 4 × max(100, 120), rejected; node 3 keeps its 2000: capped.
+    assert weights(10**12, 120, 2000) == [(2, 120), (3, 480)]
+    assert rejected == [(1, "num-examples 1000000000000, more than 4 times both its own previous report (100) and "
+                           "the reference 120")]
+    # Its next report is measured against the one rejected: the same again is capped, not rejected.
+    assert weights(10**12, 120, 2000) == [(1, 480), (2, 120), (3, 480)] and len(rejected) == 1
 
 
 def test_with_both_clips_off_every_reply_is_taken_as_it_is():

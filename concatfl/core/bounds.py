@@ -12,6 +12,13 @@ lengths of honest-looking updates of the same kind. An update no longer than c·
 strategy would take it; a longer one is scaled down to length c·r, so no single reply can move
 the model further than c ordinary updates, whatever its client sent. A reply's weight (its
 num-examples) is bounded the same way: at most c_w times the lower median of the recent weights.
+A capped weight still counts c_w times an ordinary one, which, where few replies are averaged
+(FedConcat's head over ten label-skewed nodes, a small cluster), is enough for one node's classes
+to take over. So a node's weight is also measured against its own previous report: a report more
+than c_w times both that and the reference (`weight_jump`: 10¹² examples from a node that has
+reported 400) is rejected, as an outsized update is. A node that reports a large size from the
+first, or keeps reporting it, is capped at c_w·r as before: its size is consistent, and a large
+client is not told apart from a liar by one report.
 
 The lower median (the ⌈n/2⌉-th smallest value) rather than the median: of two values it is the
 smaller, so one honest and one outsized reply give the honest one's length, not their mean.
@@ -112,6 +119,15 @@ def bounded_weight(weight: float, ref: float | None, clip: float) -> float:
     if clip <= 0 or ref is None or ref <= 0:
         return weight
     return min(weight, clip * ref)
+
+
+def weight_jump(weight: float, previous: float | None, ref: float | None, clip: float) -> bool:
+    """Whether a reported weight is a jump no node's data makes: more than `clip` times both its
+    node's `previous` report and the reference r (never with `clip` 0, the bound off, or without a
+    previous report or a reference)."""
+    if clip <= 0 or previous is None or ref is None or ref <= 0:
+        return False
+    return weight > clip * max(previous, ref)
 
 
 def move(origin: Weights, returned: Weights, share: float) -> dict[str, np.ndarray]:

@@ -19,7 +19,8 @@ reply wrecks the global model for good. `ReplyGuard.bound` applies the rule of
 * its weight (num-examples) counts at most `weight_clip` times the lower median of the recent
   weights of all replies (a node's data size does not depend on the kind of message it answers;
   one reference for all streams also keeps a few large members of one FedConcat cluster from
-  being measured against a single small one).
+  being measured against a single small one); a report more than that many times both the
+  reference and its node's own previous report is rejected (`core.bounds.weight_jump`).
 
 Every clipped or down-weighted reply is recorded (node, stream, factor) under ``"guard"`` in the
 round's record, and counted in the round's log line (rejected replies are the hops' misses); the
@@ -56,6 +57,7 @@ from ..core.bounds import (
     scale,
     stream_reference,
     update_norm,
+    weight_jump,
 )
 from .common import ARRAYS_KEY, METRICS_KEY, NUM_EXAMPLES_KEY, Miss, Reply, jsonable, to_numpy, to_record
 
@@ -81,7 +83,8 @@ class ReplyGuard:
         0 turns the bound off.
     weight_clip : float (default: DEFAULT_WEIGHT_CLIP)
         c_w ≥ 1: a reply's num-examples counts at most c_w times the lower median of the recent
-        weights of all replies; 0 turns the bound off.
+        weights of all replies, and a report more than c_w times both that and its node's own
+        previous report is rejected; 0 turns both off.
     on_reject : Callable[[Reply, str], None] | None (default: None)
         Told of every reply `bound` leaves out as too long to be an update, with the reason
         (a strategy moves it to its hop's misses, `RelayStrategy.reject`); None: logged only.
@@ -102,6 +105,7 @@ class ReplyGuard:
         self.on_reject = on_reject
         self._lengths: dict[str, deque[float]] = {}
         self._weights: deque[float] = deque(maxlen=REFERENCE_WINDOW)
+        self._reported: dict[int, float] = {}  # each node's latest num-examples, as reported
         self._round = 0
         self._events: list[dict[str, Any]] = []
         self._streams: dict[str, dict[str, float | None]] = {}
@@ -166,6 +170,13 @@ class ReplyGuard:
             content = reply.content
             num_examples = reply.num_examples
             if weights:
+                previous = self._reported.get(reply.node_id)
+                self._reported[reply.node_id] = num_examples
+                if weight_jump(num_examples, previous, weight_ref, self.weight_clip):
+                    assert previous is not None and weight_ref is not None
+                    self._reject(reply, f"num-examples {num_examples}, more than {self.weight_clip:g} times both its own "
+                                 f"previous report ({previous:g}) and the reference {weight_ref:g}")
+                    continue
                 num_examples = max(1, int(bounded_weight(reply.num_examples, weight_ref, self.weight_clip)))
                 if num_examples < reply.num_examples:
                     self._note(
@@ -262,6 +273,7 @@ class ReplyGuard:
         return {
             "lengths": {stream: list(values) for stream, values in self._lengths.items()},
             "weights": list(self._weights),
+            "reported": {str(node): weight for node, weight in self._reported.items()},
             "node_rounds": {str(node): sorted(rounds) for node, rounds in self._node_rounds.items()},
             "warned": sorted(self._warned),
         }
@@ -270,6 +282,7 @@ class ReplyGuard:
         """Restore `state_dict()`'s output."""
         self._lengths = {s: deque(map(float, v), maxlen=REFERENCE_WINDOW) for s, v in state["lengths"].items()}
         self._weights = deque(map(float, state["weights"]), maxlen=REFERENCE_WINDOW)
+        self._reported = {int(node): float(weight) for node, weight in state["reported"].items()}
         self._node_rounds = {int(node): set(rounds) for node, rounds in state["node_rounds"].items()}
         self._warned = {int(node) for node in state["warned"]}
 
