@@ -118,6 +118,7 @@ class RunConfig:
     fedconcat_classifier_steps: int = 3
     fedconcat_init_classifier: bool = False
     fedconcat_head_memory: bool = True
+    fedconcat_head_check: bool = True
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:

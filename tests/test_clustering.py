@@ -11,6 +11,8 @@ from concatfl.core.clustering import (
     balanced_cap,
     cluster_distributions,
     elbow,
+    head_agreement,
+    head_update_believed,
     infer_label_distribution,
     kmeans,
     label_distribution,
@@ -184,3 +186,24 @@ def test_label_inference_on_flat_inputs_without_normalization():
     with torch.no_grad():
         expected = torch.softmax(model(inputs), dim=1).mean(dim=0).double().numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_head_agreement_is_the_cosine_of_the_bias_update_with_the_centred_distribution():
+    centred = np.array([0.5, 0.5, 0.0, 0.0]) - 0.25  # a node of classes 0 and 1, federation uniform
+    assert head_agreement(centred, np.array([0.2, 0.2, -0.2, -0.2])) == pytest.approx(1.0)
+    assert head_agreement(centred, np.array([-0.2, -0.2, 0.2, 0.2])) == pytest.approx(-1.0)  # reversed
+    assert head_agreement(centred, np.array([0.2, -0.2, 0.2, -0.2])) == pytest.approx(0.0)
+    assert head_agreement(centred, np.zeros(4)) == 0.0 and head_agreement(np.zeros(4), np.ones(4)) == 0.0
+
+
+def test_a_head_update_is_believed_unless_it_agrees_with_no_witness():
+    centred = np.array([0.25, 0.25, -0.25, -0.25])
+    honest, reversed_ = np.array([0.2, 0.1, -0.1, -0.2]), np.array([-0.2, -0.1, 0.1, 0.2])
+    assert head_update_believed(honest, centred, honest) == (True, {"distribution": pytest.approx(0.9486833), "previous": pytest.approx(1.0)})
+    believed, agreements = head_update_believed(reversed_, centred, honest)
+    assert not believed and agreements == {"distribution": pytest.approx(-0.9486833), "previous": pytest.approx(-1.0)}
+    # One witness that agrees is enough: a misleading distribution, the node's own history.
+    assert head_update_believed(honest, -centred, honest)[0] and head_update_believed(honest, centred, reversed_)[0]
+    assert not head_update_believed(reversed_, centred, None)[0] and not head_update_believed(reversed_, None, honest)[0]
+    assert head_update_believed(reversed_, None, None) == (True, {})  # nothing to measure it against
+    assert not head_update_believed(honest * 0.1, centred, None, bound=0.99)[0]  # 0.95 < 0.99

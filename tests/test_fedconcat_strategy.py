@@ -543,6 +543,51 @@ def test_a_lost_head_reply_counts_with_its_nodes_last_update_under_the_head_memo
         np.testing.assert_allclose(result.arrays[key].numpy(), expected[key].numpy(), rtol=1e-5, atol=1e-7)
 
 
+def reversed_head(message, reply):
+    """The head update reversed: what was sent minus the node's update (the fuzzing mod's sign-flip)."""
+    sent = message.content["arrays"]
+    flipped = {key: Array(2 * sent[key].numpy() - value.numpy()) for key, value in reply.content["arrays"].items()}
+    return reply_with(message, RecordDict({"arrays": ArrayRecord(flipped), "metrics": reply.content["metrics"]}))
+
+
+@pytest.mark.parametrize("head_check", [False, True])
+def test_a_reversed_head_update_is_rejected_by_the_head_check_as_if_it_were_lost(head_check):
+    """Node 2's round-3 head update comes back reversed: it moves the bias against both its
+    reported classes and its round-2 update, so the check rejects it and the run ends with the
+    classifier of a run that lost that reply; unchecked, it is averaged in."""
+    results = {}
+    for name, fault in (("reversed", reversed_head), ("lost", drop)):
+        federation = Federation()
+        federation.faults[(2, HEAD_MESSAGE_TYPE)] = in_round(3, fault)
+        fed = strategy(encoder_rounds=1, classifier_rounds=2, head_check=head_check)
+        results[name] = (fed, run(fed, federation.grid()))
+    fed, result = results["reversed"]
+    lost = results["lost"][1]
+    same = all(np.array_equal(result.arrays[key].numpy(), lost.arrays[key].numpy()) for key in ("classifier.weight", "classifier.bias"))
+    if not head_check:
+        assert "head_check" not in fed.history[2] and not same
+        return
+    check = fed.history[2]["head_check"]
+    assert check["rejected"] == [2] and max(check["agreement"]["2"].values()) < 0
+    assert all(min(agreements.values()) > 0 for node, agreements in check["agreement"].items() if node != "2")
+    (miss,) = [miss for hop in fed.history[2]["hops"] for miss in hop["misses"]]
+    assert miss["node"] == 2 and "moves the bias against the label distribution it was placed by" in miss["reason"]
+    assert same
+
+
+def test_a_node_placed_by_a_misleading_distribution_is_believed_from_its_second_head_update():
+    federation = Federation()
+    federation.faults[(0, LABELS_MESSAGE_TYPE)] = lie((2, 3))  # unchecked: node 0 is placed by its lie
+    fed = strategy(encoder_rounds=1, classifier_rounds=3)
+    run(fed, federation.grid())
+    first, second, third = (fed.history[r]["head_check"] for r in (1, 2, 3))
+    # Its first head update moves the bias towards its real classes, against the lie: rejected.
+    assert first["rejected"] == [0] and set(first["agreement"]["0"]) == {"distribution"}
+    # From then on its previous update vouches for it.
+    assert second["rejected"] == third["rejected"] == []
+    assert second["agreement"]["0"]["distribution"] < 0 < second["agreement"]["0"]["previous"]
+
+
 def test_classifier_init_from_cluster_heads_or_random():
     grid = Federation().grid()
     seeded = strategy(encoder_rounds=1, classifier_rounds=1, init_classifier=True)

@@ -13,6 +13,9 @@ group, and concatenate the groups' encoders. Everything here is pure numpy/torch
   rule (`elbow`), optionally balanced (`balance`), empty clusters dropped.
 * `nearest_cluster` — the cluster whose centre is nearest to a distribution (used for clients
   that did not report one).
+* `agreement`, `head_agreement`, `head_update_believed` — whether a report fits its node's
+  model, and whether a head update fits the distribution its node was placed by and its
+  previous head update.
 """
 
 from __future__ import annotations
@@ -273,20 +276,55 @@ def agreement(reported: np.ndarray, inferred: np.ndarray, reported_mean: np.ndar
     report that names other classes than the client trains on. 0 when either centred vector
     is zero (no signal).
     """
-    p = np.asarray(reported, dtype=np.float64) - reported_mean
-    q = np.asarray(inferred, dtype=np.float64) - inferred_mean
-    norms = float(np.linalg.norm(p) * np.linalg.norm(q))
-    return float(p @ q / norms) if norms > 0 else 0.0
+    return _cosine(np.asarray(reported, dtype=np.float64) - reported_mean, np.asarray(inferred, dtype=np.float64) - inferred_mean)
+
+
+def head_agreement(centred_distribution: np.ndarray, bias_update: np.ndarray) -> float:
+    """How well a head update fits the label distribution its node was placed by, p − p̄ (p̄ the
+    federation's mean): cos(p − p̄, Δb), Δb the update of the head's bias.
+
+    The cross-entropy gradient of a linear head's bias is (predicted − one-hot) averaged over a
+    batch, so a few local steps move b_y by about lr·(p_y − q_y), q what the head predicts on the
+    node's data; a global head predicts about p̄, so an honest Δb points along p − p̄ (cosine near
+    1) and a reversed update against it (near −1). 0 when either vector is zero (no signal).
+    """
+    return _cosine(np.asarray(centred_distribution, dtype=np.float64), np.asarray(bias_update, dtype=np.float64))
+
+
+def head_update_believed(
+    bias_update: np.ndarray,
+    centred_distribution: np.ndarray | None,
+    previous_bias_update: np.ndarray | None,
+    bound: float = 0.0,
+) -> tuple[bool, dict[str, float]]:
+    """Whether a node's head update is believed, and its agreement with each witness there is:
+    the distribution the node was placed by (`head_agreement`) and the node's previous head
+    update, cos(Δb, Δb_prev). It is believed unless it agrees with none of them (every
+    agreement below `bound`; with no witness at all it is believed).
+
+    Two witnesses, so that one wrong one costs little: a node placed by a distribution that
+    misleads (its stage-1 reply was itself reversed) is believed again from its second head
+    update on, by its first; a node placed without a distribution is checked by its own history.
+    """
+    agreements = {}
+    if centred_distribution is not None:
+        agreements["distribution"] = head_agreement(centred_distribution, bias_update)
+    if previous_bias_update is not None:
+        agreements["previous"] = _cosine(np.asarray(previous_bias_update, dtype=np.float64), np.asarray(bias_update, dtype=np.float64))
+    return not agreements or max(agreements.values()) >= bound, agreements
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """cos(a, b); 0 when either is zero."""
+    norms = float(np.linalg.norm(a) * np.linalg.norm(b))
+    return float(a @ b / norms) if norms > 0 else 0.0
 
 
 def nearest_profile(inferred: np.ndarray, inferred_mean: np.ndarray, profiles: Mapping[int, np.ndarray]) -> int:
     """The cluster whose profile (the mean centred P^ID of its trusted members) is most like a
     node's centred P^ID, by cosine; ties go to the lower cluster."""
     q = np.asarray(inferred, dtype=np.float64) - inferred_mean
-    scores = {
-        cluster: float(q @ profile / (np.linalg.norm(q) * np.linalg.norm(profile) or 1.0))
-        for cluster, profile in sorted(profiles.items())
-    }
+    scores = {cluster: _cosine(q, profile) for cluster, profile in sorted(profiles.items())}
     return max(scores, key=lambda cluster: (scores[cluster], -cluster))
 
 

@@ -224,8 +224,12 @@ class RelayStrategy(Strategy):
 
     def reject(self, hop: HopResult, reply: Reply, problem: str) -> None:
         """Move a reply that failed a strategy's own check (SCAFFOLD's control variate,
-        FedConcat's label distribution) from `hop.replies` to its misses, logged and counted."""
-        hop.replies.remove(reply)
+        FedConcat's label distribution) from `hop.replies` to its misses, logged and counted;
+        `reply` may be the guard's bounded copy of the one received (matched by its request)."""
+        kept = [mine for mine in hop.replies if mine.request is not reply.request]
+        if len(kept) == len(hop.replies):
+            raise RuntimeError(f"node {reply.node_id}'s reply is not among its hop's replies")
+        hop.replies[:] = kept
         miss = Miss(reply.request, f"rejected: {problem}")
         hop.misses.append(miss)
         self.guard.note_rejected([miss])
