@@ -19,7 +19,6 @@ from concatfl.core.bounds import (
     scale,
     stream_reference,
     update_norm,
-    weight_jump,
 )
 from concatfl.strategies.aggregation import Aggregation
 from concatfl.strategies.common import Miss, Reply, Request, to_numpy, train_content
@@ -93,12 +92,14 @@ def test_bounded_weight():
     assert bounded_weight(10**12, None, 4.0) == 10**12
 
 
-def test_weight_jump():
-    assert weight_jump(10**12, 100, 120, 4.0)
-    assert not weight_jump(480, 100, 120, 4.0) and weight_jump(481, 100, 120, 4.0)  # 4 × max(100, 120)
-    assert not weight_jump(1000, 300, 100, 4.0)  # within 4 times its own 300
-    assert not weight_jump(10**12, None, 120, 4.0)  # a first report: nothing of its own to jump from
-    assert not weight_jump(10**12, 100, None, 4.0) and not weight_jump(10**12, 100, 120, 0.0)
+def test_a_weight_that_jumps_beyond_its_nodes_previous_report_and_the_reference_counts_as_that_report():
+    assert bounded_weight(10**12, 120.0, 4.0, previous=100) == 100
+    assert bounded_weight(480, 120.0, 4.0, previous=100) == 480  # 4 × max(100, 120): no jump
+    assert bounded_weight(481, 120.0, 4.0, previous=100) == 100
+    assert bounded_weight(1000, 100.0, 4.0, previous=300) == 400  # within 4 times its own 300: capped
+    assert bounded_weight(10**12, 100.0, 4.0, previous=10**12) == 400  # a report it keeps making: capped
+    assert bounded_weight(10**12, 120.0, 4.0, previous=None) == 480  # a first report: capped
+    assert bounded_weight(10**12, 120.0, 0.0, previous=100) == 10**12
 
 
 def test_move_keeps_dtypes_and_takes_counters_from_the_reply():
@@ -209,9 +210,8 @@ def test_a_down_weighted_reply_joins_the_weight_reference_with_its_bounded_weigh
     assert lone.num_examples == 4 * 432  # the lower median of (108, 432, 10¹²) is 432
 
 
-def test_a_report_that_jumps_beyond_its_own_and_the_reference_is_rejected_a_consistent_one_capped():
-    rejected = []
-    guard = ReplyGuard("FedConcat", on_reject=lambda r, problem: rejected.append((r.node_id, problem)))
+def test_a_report_that_jumps_counts_as_its_nodes_previous_one_and_a_consistent_one_is_capped():
+    guard = ReplyGuard("FedConcat")
     sent = arrays(0.0)
 
     def weights(*examples: int) -> list[tuple[int, int]]:
@@ -220,12 +220,15 @@ def test_a_report_that_jumps_beyond_its_own_and_the_reference_is_rejected_a_cons
 
     # A large first report is capped (4 × the lower median 120): a large client and a liar look alike.
     assert weights(100, 120, 2000) == [(1, 100), (2, 120), (3, 480)]
-    # Node 1 jumps from 100 to 10¹²: beyond 4 × max(100, 120), rejected; node 3 keeps its 2000: capped.
-    assert weights(10**12, 120, 2000) == [(2, 120), (3, 480)]
-    assert rejected == [(1, "num-examples 1000000000000, more than 4 times both its own previous report (100) and "
-                           "the reference 120")]
-    # Its next report is measured against the one rejected: the same again is capped, not rejected.
-    assert weights(10**12, 120, 2000) == [(1, 480), (2, 120), (3, 480)] and len(rejected) == 1
+    # Node 1 jumps from 100 to 10¹²: beyond 4 × max(100, 120), it counts as its 100; node 3 keeps
+    # its 2000: capped. Both replies are taken (their updates are not in doubt).
+    guard.begin_round(2)
+    assert weights(10**12, 120, 2000) == [(1, 100), (2, 120), (3, 480)]
+    (jump, _) = guard.round_record()["down-weighted"]
+    assert jump == {"node": 1, "tag": None, "stream": "model", "factor": pytest.approx(1e-10), "reported": 10**12,
+                    "weight": 100, "previous": 100}
+    # Its next report is measured against the one it made: the same again is capped.
+    assert weights(10**12, 120, 2000) == [(1, 480), (2, 120), (3, 480)]
 
 
 def test_with_both_clips_off_every_reply_is_taken_as_it_is():

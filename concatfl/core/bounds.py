@@ -15,10 +15,10 @@ num-examples) is bounded the same way: at most c_w times the lower median of the
 A capped weight still counts c_w times an ordinary one, which, where few replies are averaged
 (FedConcat's head over ten label-skewed nodes, a small cluster), is enough for one node's classes
 to take over. So a node's weight is also measured against its own previous report: a report more
-than c_w times both that and the reference (`weight_jump`: 10¹² examples from a node that has
-reported 400) is rejected, as an outsized update is. A node that reports a large size from the
-first, or keeps reporting it, is capped at c_w·r as before: its size is consistent, and a large
-client is not told apart from a liar by one report.
+than c_w times both that and the reference (10¹² examples from a node that has reported 400)
+counts as the previous report (`bounded_weight`); its update, which nothing says is wrong, is
+kept. A node that reports a large size from the first, or keeps reporting it, is capped at c_w·r:
+its size is consistent, and a large client is not told apart from a liar by one report.
 
 The lower median (the ⌈n/2⌉-th smallest value) rather than the median: of two values it is the
 smaller, so one honest and one outsized reply give the honest one's length, not their mean.
@@ -114,20 +114,15 @@ def outsized_alone(length: float, origin: Weights | None, clip: float) -> bool:
     return origin is not None and outsized(length, float(np.linalg.norm(flatten(origin))), clip)
 
 
-def bounded_weight(weight: float, ref: float | None, clip: float) -> float:
-    """min(weight, clip·r): a reply's weight (num-examples) bounded by its reference (clip 0: off)."""
+def bounded_weight(weight: float, ref: float | None, clip: float, previous: float | None = None) -> float:
+    """min(weight, clip·r): a reply's weight (num-examples) bounded by its reference (clip 0: off);
+    a weight more than clip times both r and its node's `previous` report is a jump no node's
+    data makes, and counts as that previous report (bounded the same way)."""
     if clip <= 0 or ref is None or ref <= 0:
         return weight
+    if previous is not None and weight > clip * max(previous, ref):
+        weight = previous
     return min(weight, clip * ref)
-
-
-def weight_jump(weight: float, previous: float | None, ref: float | None, clip: float) -> bool:
-    """Whether a reported weight is a jump no node's data makes: more than `clip` times both its
-    node's `previous` report and the reference r (never with `clip` 0, the bound off, or without a
-    previous report or a reference)."""
-    if clip <= 0 or previous is None or ref is None or ref <= 0:
-        return False
-    return weight > clip * max(previous, ref)
 
 
 def move(origin: Weights, returned: Weights, share: float) -> dict[str, np.ndarray]:

@@ -271,7 +271,9 @@ class FedConcat(RelayStrategy):
     Faults: a missing, failed or rejected reply is left out of its aggregation in every stage;
     in the classifier rounds, with `head_memory`, its node's last accepted head update counts in
     its place (recorded per round under ``head_memory``: fresh updates, nodes replayed, oldest
-    round replayed). A round without any accepted head reply keeps the classifier.
+    round replayed), and with `head_check` a head update that moves the bias against both its
+    node's distribution and its previous head update is rejected. A round without any accepted
+    head reply keeps the classifier.
     A reported label distribution must be `num_classes` finite numbers, non-negative and summing
     to 1 (with ε-DP noise: finite and within the noise's range, `distribution_problem`); any
     other is rejected, and a well-formed one that its node's own model contradicts is not

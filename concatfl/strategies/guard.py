@@ -20,7 +20,8 @@ reply wrecks the global model for good. `ReplyGuard.bound` applies the rule of
   weights of all replies (a node's data size does not depend on the kind of message it answers;
   one reference for all streams also keeps a few large members of one FedConcat cluster from
   being measured against a single small one); a report more than that many times both the
-  reference and its node's own previous report is rejected (`core.bounds.weight_jump`).
+  reference and its node's own previous report counts as that previous report
+  (`core.bounds.bounded_weight`).
 
 Every clipped or down-weighted reply is recorded (node, stream, factor) under ``"guard"`` in the
 round's record, and counted in the round's log line (rejected replies are the hops' misses); the
@@ -57,7 +58,6 @@ from ..core.bounds import (
     scale,
     stream_reference,
     update_norm,
-    weight_jump,
 )
 from .common import ARRAYS_KEY, METRICS_KEY, NUM_EXAMPLES_KEY, Miss, Reply, jsonable, to_numpy, to_record
 
@@ -84,7 +84,7 @@ class ReplyGuard:
     weight_clip : float (default: DEFAULT_WEIGHT_CLIP)
         c_w ≥ 1: a reply's num-examples counts at most c_w times the lower median of the recent
         weights of all replies, and a report more than c_w times both that and its node's own
-        previous report is rejected; 0 turns both off.
+        previous report counts as the previous report; 0 turns both off.
     on_reject : Callable[[Reply, str], None] | None (default: None)
         Told of every reply `bound` leaves out as too long to be an update, with the reason
         (a strategy moves it to its hop's misses, `RelayStrategy.reject`); None: logged only.
@@ -171,17 +171,13 @@ class ReplyGuard:
             num_examples = reply.num_examples
             if weights:
                 previous = self._reported.get(reply.node_id)
-                self._reported[reply.node_id] = num_examples
-                if weight_jump(num_examples, previous, weight_ref, self.weight_clip):
-                    assert previous is not None and weight_ref is not None
-                    self._reject(reply, f"num-examples {num_examples}, more than {self.weight_clip:g} times both its own "
-                                 f"previous report ({previous:g}) and the reference {weight_ref:g}")
-                    continue
-                num_examples = max(1, int(bounded_weight(reply.num_examples, weight_ref, self.weight_clip)))
+                self._reported[reply.node_id] = reply.num_examples
+                num_examples = max(1, int(bounded_weight(reply.num_examples, weight_ref, self.weight_clip, previous)))
                 if num_examples < reply.num_examples:
                     self._note(
                         reply, "down-weighted", stream=stream, factor=num_examples / reply.num_examples,
                         reported=reply.num_examples, weight=num_examples,
+                        **({} if previous is None else {"previous": previous}),
                     )
                     content = _with_num_examples(content, num_examples)
             wanted = step(index, num_examples) if callable(step) else float(step)
