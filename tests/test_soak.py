@@ -5,12 +5,13 @@ soak is `python -m concatfl.bench soak`)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 
 import pytest
 
-from concatfl.bench.soak import Chaos, Settings, condition_settings, paired_summary, render_paired, soak
+from concatfl.bench.soak import Chaos, Settings, condition_settings, paired, paired_summary, render_paired, soak
 from concatfl.deployment.fleet import Node
 from concatfl.metrics import read_metrics
 
@@ -98,3 +99,19 @@ def test_the_paired_measure_gives_each_condition_its_faults_and_the_cost_against
     table = render_paired({"settings": {"nodes": 10, "rounds": 30, "seeds": [0, 1]}, "wall_seconds": 1.0, "machine": "m",
                            "load_average": {"start": 0, "end": 0}, "strategies": {"fedseq": summary}})
     assert "| fedseq | 0.910 ± 0.014 (2/2) | 0.870 ± 0.014 (2/2) | 4.0 | 0.910 ± 0.000 (1/2) | 0.0 |" in table
+
+
+def test_the_paired_measure_runs_only_the_conditions_asked_for_and_reads_the_runs_already_made(tmp_path):
+    # Both runs already made (their reports in place): nothing is started, and the faults
+    # condition, not asked for, stays empty.
+    for condition, accuracy in (("clean", 0.92), ("late", 0.90)):
+        folder = tmp_path / "paired" / "seed-0" / "fedconcat" / condition
+        folder.mkdir(parents=True)
+        run = {"strategy": "fedconcat", "completed": True, "final_accuracy": accuracy, "joined": [5, 6] if condition == "late" else []}
+        folder.joinpath("report.json").write_text(json.dumps(
+            {"runs": [run], "faults": {}, "processes_left": [], "load_average": {"start": [0], "end": [0]}}))
+    summary = paired(Settings(nodes=10, rounds=30, strategies=("fedconcat",)), (0,), tmp_path, ("clean", "late"))
+    assert [(run["condition"], run["final_accuracy"]) for run in summary["runs"]] == [("clean", 0.92), ("late", 0.9)]
+    figures = summary["strategies"]["fedconcat"]
+    assert figures["late"]["cost_points"] == 2.0 and figures["faults"]["runs"] == 0 and "cost_points" not in figures["faults"]
+    assert "| fedconcat | 0.920 ± 0.000 (1/1) | – | – | 0.900 ± 0.000 (1/1) | 2.0 |" in (tmp_path / "paired.md").read_text()

@@ -39,7 +39,9 @@ fuzzed replies, a hung node, and `PAIRED_LATE_NODES` nodes that connect 30 s lat
 (half the nodes at the start, the other half 30 s later, nothing else). `<out>/soak/paired.json`
 and `paired.md` give, per strategy, the accuracy of each condition (mean ± std over the seeds),
 the cost in points against *clean*, and where it went: rounds redone, partitions that never
-trained, replies rejected, clipped and missing.
+trained, replies rejected, clipped and missing. `--conditions` runs some of the three only
+(e.g. `clean,late`: the faults condition's sequential hops at dead nodes take ~45 min a run
+here); runs already in `<out>` are read, not run again.
 
 `--capacity` measures instead how many SuperNodes this machine holds: for growing N, N nodes
 idle (CPU per node, and the SuperLink's) and then run one FedSeq round (peak resident memory
@@ -507,16 +509,19 @@ def condition_settings(base: Settings, strategy: str, seed: int, condition: str)
     return replace(common, superlink_restart=strategy, hang=True, late_nodes=PAIRED_LATE_NODES)
 
 
-def paired(base: Settings, seeds: tuple[int, ...], out: Path) -> dict[str, Any]:
-    """Every strategy of `base` clean, with faults and with late nodes only, for every seed, each
-    run on a fresh deployment (module docstring); the report, also written to `out`. A run whose
-    folder already holds a report is not run again (an interrupted measure resumes)."""
+def paired(
+    base: Settings, seeds: tuple[int, ...], out: Path, conditions: tuple[str, ...] = CONDITIONS
+) -> dict[str, Any]:
+    """Every strategy of `base` under each of `conditions` (clean, with faults, with late nodes
+    only), for every seed, each run on a fresh deployment (module docstring); the report, also
+    written to `out`. A run whose folder already holds a report is not run again (an interrupted
+    measure resumes)."""
     out = out.resolve()
     started, load_before = time.monotonic(), load_average()
     runs: list[dict[str, Any]] = []
     for seed in seeds:
         for strategy in base.strategies:
-            for condition in CONDITIONS:
+            for condition in conditions:
                 folder = out / "paired" / f"seed-{seed}" / strategy / condition
                 if (folder / "report.json").exists():
                     report = json.loads((folder / "report.json").read_text())
@@ -789,6 +794,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", default="", metavar="N,N,…", help="measure capacity for these node counts instead")
     parser.add_argument("--paired", action="store_true", help="measure what the faults cost (module docstring)")
     parser.add_argument("--seeds", default=",".join(map(str, PAIRED_SEEDS)), help="the paired measure's seeds")
+    parser.add_argument("--conditions", default=",".join(CONDITIONS), help="the paired measure's conditions")
     args = parser.parse_args(argv)
     args.nodes = args.nodes or (PAIRED_NODES if args.paired else defaults.nodes)
     args.rounds = args.rounds or (PAIRED_ROUNDS if args.paired else defaults.rounds)
@@ -801,6 +807,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or args.nodes < 4:
         parser.error(f"--strategies from {', '.join(STRATEGIES)} (got {unknown}); --nodes at least 4")
+    conditions = tuple(c for c in args.conditions.split(",") if c)
+    if not conditions or set(conditions) - set(CONDITIONS):
+        parser.error(f"--conditions from {', '.join(CONDITIONS)} (got {args.conditions!r})")
     if args.late_nodes * len(strategies) >= args.nodes // 2:
         parser.error(f"--late-nodes {args.late_nodes} x {len(strategies)} runs must stay below half the --nodes")
     settings = Settings(
@@ -811,7 +820,7 @@ def main(argv: list[str] | None = None) -> int:
         time_limit=args.time_limit, seed=args.seed,
     )
     if args.paired:
-        summary = paired(settings, tuple(int(seed) for seed in args.seeds.split(",")), out)
+        summary = paired(settings, tuple(int(seed) for seed in args.seeds.split(",")), out, conditions)
         print(render_paired(summary))
         return 0 if not any(run["processes_left"] for run in summary["runs"]) else 1
     report = soak(settings, out)
