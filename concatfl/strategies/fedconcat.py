@@ -401,13 +401,20 @@ class FedConcat(RelayStrategy):
         self._initial: ArrayRecord | None = None
         self._centres = np.zeros((0, 0))
         self._profiles: dict[int, np.ndarray] = {}
-        self._means: tuple[np.ndarray, np.ndarray] | None = None
+        self._label_means: dict[str, np.ndarray] = {}  # "reported", "inferred": stage 1's means
         self._fallback = 0
-        # The head check's evidence (in state_dict()): the means of every reported and inferred
-        # distribution, and each node's centred distribution, the one it was placed by.
-        self._label_means: dict[str, np.ndarray] = {}
+        # The head check's evidence (in state_dict()): each node's centred distribution, the one
+        # it was placed by.
         self._class_profiles: dict[int, np.ndarray] = {}
         self._last_head_bias: dict[int, np.ndarray] = {}  # each node's latest head reply's bias update, taken or not
+
+    @property
+    def _means(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(p̄, q̄), the means the label check's agreement is measured around: stage 1 had both
+        reports and P^ID (FedConcat with the label check), else None."""
+        if "reported" in self._label_means and "inferred" in self._label_means:
+            return self._label_means["reported"], self._label_means["inferred"]
+        return None
 
     @property
     def num_rounds(self) -> int:
@@ -424,11 +431,15 @@ class FedConcat(RelayStrategy):
         nodes = live_node_ids(grid)
         self._initial, self._train_config = initial_arrays, train_config
         reported, inferred, hops = self._stage1(grid, nodes, placing=False)
+        self._label_means = {
+            source: np.mean(list(found.values()), axis=0)
+            for source, found in (("reported", reported), ("inferred", inferred))
+            if found
+        }
         agreements: dict[int, float] = {}
         if self.label_inference:
             clustered = inferred
-        elif self._checks_labels and reported and inferred:
-            self._means = (np.mean(list(reported.values()), axis=0), np.mean(list(inferred.values()), axis=0))
+        elif self._means is not None:
             agreements = {node: agreement(reported[node], inferred[node], *self._means) for node in reported if node in inferred}
             clustered = {node: p for node, p in reported.items() if agreements.get(node, 1.0) >= AGREEMENT_BOUND}
         else:
@@ -439,11 +450,6 @@ class FedConcat(RelayStrategy):
             clustered, sorted(clustered), self.num_clusters, balanced=self.balanced, seed=int(self.rng.integers(2**31))
         )
         self.assignment, clustering = dict(stage1.assignment), stage1.clustering
-        self._label_means = {
-            source: np.mean(list(found.values()), axis=0)
-            for source, found in (("reported", reported), ("inferred", inferred))
-            if found
-        }
         self._centres = clustering.centres
         self._fallback = nearest_cluster(np.mean(list(clustered.values()), axis=0), clustering.centres)
         if self._means is not None:
@@ -453,9 +459,7 @@ class FedConcat(RelayStrategy):
             self.settle(node, {"cluster": cluster}, START)
             self._keep_profile(node, "inferred" if self.label_inference else "reported", reported, inferred)
         for node in (node for node in nodes if node not in clustered):
-            cluster, how = self._cluster_of(reported.get(node), inferred.get(node))
-            self.assignment[node] = cluster
-            self._keep_profile(node, how, reported, inferred)
+            cluster, how = self._assign(node, reported, inferred)
             why = LABELS_DISAGREE if node in agreements else NO_STAGE1_REPLY
             self.settle(node, {"cluster": cluster, "by": how}, why, placements)
         if placements:
@@ -491,11 +495,6 @@ class FedConcat(RelayStrategy):
                 "unchecked": sorted(node for node in reported if node not in inferred),
                 "inferred": {str(node): [round(float(q), 6) for q in inferred[node]] for node in sorted(inferred)},
             }
-
-    @property
-    def _checks_labels(self) -> bool:
-        """Whether reported distributions are checked against the nodes' own models."""
-        return self.label_check and not self.label_inference
 
     def _stage1(
         self, grid: Grid, nodes: list[int], placing: bool
@@ -599,11 +598,17 @@ class FedConcat(RelayStrategy):
         reported, inferred, _ = self._stage1(grid, nodes, placing=True)
         placed: dict[int, Any] = {}
         for node in nodes:
-            cluster, how = self._cluster_of(reported.get(node), inferred.get(node))
-            self.assignment[node] = cluster
-            self._keep_profile(node, how, reported, inferred)
+            cluster, how = self._assign(node, reported, inferred)
             placed[node] = {"cluster": cluster, "by": how}
         return placed
+
+    def _assign(self, node: int, reported: dict[int, np.ndarray], inferred: dict[int, np.ndarray]) -> tuple[int, str]:
+        """Put a node clustered after the others into the cluster its distribution fits
+        (`_cluster_of`), keeping that distribution for the head check; (cluster, how)."""
+        cluster, how = self._cluster_of(reported.get(node), inferred.get(node))
+        self.assignment[node] = cluster
+        self._keep_profile(node, how, reported, inferred)
+        return cluster, how
 
     def _keep_profile(
         self, node: int, how: str, reported: dict[int, np.ndarray], inferred: dict[int, np.ndarray]
@@ -965,7 +970,6 @@ class FedConcat(RelayStrategy):
             "initial": None if self._initial is None else to_numpy(self._initial),
             "centres": self._centres.copy(),
             "profiles": {cluster: profile.copy() for cluster, profile in self._profiles.items()},
-            "means": None if self._means is None else [mean.copy() for mean in self._means],
             "fallback": self._fallback,
             "label_means": {source: mean.copy() for source, mean in self._label_means.items()},
             "class_profiles": {node: profile.copy() for node, profile in self._class_profiles.items()},
@@ -991,7 +995,6 @@ class FedConcat(RelayStrategy):
         self._initial = None if saved["initial"] is None else to_record(saved["initial"])
         self._centres = np.asarray(saved["centres"], dtype=np.float64)
         self._profiles = {int(cluster): np.asarray(profile, dtype=np.float64) for cluster, profile in saved["profiles"].items()}
-        self._means = None if saved["means"] is None else (np.asarray(saved["means"][0]), np.asarray(saved["means"][1]))
         self._fallback = int(saved["fallback"])
         self._label_means = {source: np.asarray(mean, dtype=np.float64) for source, mean in saved["label_means"].items()}
         self._class_profiles = {int(node): np.asarray(profile, dtype=np.float64) for node, profile in saved["class_profiles"].items()}
