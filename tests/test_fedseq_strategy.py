@@ -56,7 +56,8 @@ class Client:
     Pre-training (server-round 0) returns a model that predicts the node's class for every
     input; training adds the node id to every weight, so each hop's effect is known exactly.
     `failure(message)` may name how a stage-2 reply goes wrong: `silent` (none), `nan` (NaN
-    weights) or `shape` (a wrong shape); `returned` then holds None for that visit.
+    weights), `shape` (a wrong shape) or `reversed` (the update sign-flipped); `returned` then
+    holds None for that visit.
     """
 
     def __init__(self, node: int, label: int, num_examples: int = 10) -> None:
@@ -90,6 +91,8 @@ class Client:
                 state["1.bias"][0] = np.nan
             if failure == "shape":
                 state["1.bias"] = np.zeros(NUM_CLASSES + 1, dtype=np.float32)
+            if failure == "reversed":  # well-formed, of ordinary length, the other way
+                state = {key: value - 2 * self.node for key, value in state.items()}
         metrics = MetricRecord({"num-examples": self.num_examples, "train-loss": 1.0})
         return reply_with(message, RecordDict({"arrays": as_arrays(state), "metrics": metrics}))
 
@@ -361,6 +364,32 @@ def test_a_failing_middle_client_is_skipped_without_losing_the_model(mode):
     ends = [walk_chain(e["order"], models[0], clients, 1, Counter()) for e in record["superclients"]]
     assert close(models[1], expected_average(ends, [e["samples"] for e in record["superclients"]]))
     assert all(np.isfinite(v).all() for v in models[1].values())
+
+
+def test_a_reversed_hop_is_rejected_by_the_history_check_and_skipped_like_a_lost_one():
+    clients = clients_for(8)
+    grid = FakeGrid(clients)
+    fedseq = strategy(update_clip=100.0)  # the bounds on (so is the history check), too wide to clip a hop
+    # Hops: pre-training, round 1's four (every node's first update: its witness), then round 2's.
+    # The member of superclient 0 served at round 2's hop 1 sends its update reversed.
+    for client in clients.values():
+        client.failure = lambda message, node=client.node: (
+            "reversed" if len(grid.hops) == 7 and node in fedseq.superclients[0] else None
+        )
+    _, models, _ = run(fedseq, clients, 2, grid=grid)
+    record = fedseq.history[1]
+    entry = next(e for e in record["superclients"] if e["id"] == 0)
+    failing = entry["order"][1]
+    assert entry["missed"] == [failing] and entry["trained_hops"] == 3
+    (miss,) = [m for hop in record["hops"] for m in hop["misses"]]
+    assert miss["node"] == failing and "update reversed against its node's own earlier ones" in miss["reason"]
+    assert "cosine -1.00 with its last update taken" in miss["reason"]
+    # The next client got exactly the model the reversed one was given, and the round's model is
+    # the average of the chains without that hop.
+    assert same(clients[entry["order"][2]].received[1][1], clients[failing].received[1][1])
+    ends = [walk_chain(e["order"], models[1], clients, 2, Counter()) for e in record["superclients"]]
+    assert close(models[2], expected_average(ends, [e["samples"] for e in record["superclients"]]))
+    assert fedseq.history[0]["hops"] and not [m for hop in fedseq.history[0]["hops"] for m in hop["misses"]]
 
 
 def test_a_superclient_without_any_successful_hop_contributes_nothing():

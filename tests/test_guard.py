@@ -18,7 +18,7 @@ from concatfl.core.bounds import (
     reference,
     scale,
     stream_reference,
-    update_norm,
+    update_vector,
 )
 from concatfl.strategies.aggregation import Aggregation
 from concatfl.strategies.common import Miss, Reply, Request, to_numpy, train_content
@@ -110,9 +110,9 @@ def test_move_keeps_dtypes_and_takes_counters_from_the_reply():
         move(to_numpy(arrays(0.0)), to_numpy(arrays(1.0)), 0.0)
 
 
-def test_update_norm_and_scale_cover_floating_point_arrays_only():
-    assert update_norm(to_numpy(arrays(0.0, 0.0)), to_numpy(arrays(3.0, 4.0, steps=100))) == 5.0
-    assert update_norm(None, to_numpy(arrays(3.0, 4.0, steps=100))) == 5.0
+def test_update_vector_and_scale_cover_floating_point_arrays_only():
+    assert update_vector(to_numpy(arrays(0.0, 0.0)), to_numpy(arrays(3.0, 4.0, steps=100))).tolist() == [3.0, 4.0]
+    assert update_vector(None, to_numpy(arrays(3.0, 4.0, steps=100))).tolist() == [3.0, 4.0]
     scaled = scale(to_numpy(arrays(3.0, 4.0, steps=7)), 0.5)
     np.testing.assert_array_equal(scaled["w"], [1.5, 2.0])
     assert int(scaled["num_batches_tracked"]) == 7
@@ -312,11 +312,41 @@ def test_guard_state_round_trip():
     guard.bound([reply(1, sent, arrays(1.0), 10), reply(2, sent, arrays(3.0), 20)])
     restored = ReplyGuard("FedAvg")
     restored.load_state_dict(guard.state_dict())
-    assert restored.state_dict() == guard.state_dict()
+    saved, again = guard.state_dict(), restored.state_dict()
+    assert saved.pop("witnesses") == again.pop("witnesses") == [
+        ["model", 1, np.float16([1.0]), np.float16([1.0])], ["model", 2, np.float16([1.0]), np.float16([1.0])]
+    ] and saved == again
     for each in (guard, restored):
         (bounded,) = each.bound([reply(3, sent, arrays(100.0), 10**6)])
         # Reference: the lower median of the window (1, 3) and the new 100 = 3: bound 12, weight 4 × 20.
         assert (bounded.share, bounded.num_examples) == (pytest.approx(0.12), 80)
+
+
+def test_a_reversed_update_is_rejected_and_its_node_is_believed_again_from_its_next():
+    rejected = []
+    guard = ReplyGuard("FedSeq", on_reject=lambda r, why: rejected.append((r.node_id, why)))
+    guard.begin_round(1)
+    sent = arrays(1.0, 1.0)
+    honest, reversed_ = arrays(1.2, 1.1), arrays(0.8, 0.9)  # updates (0.2, 0.1) and (−0.2, −0.1)
+    rounds = [guard.bound([reply(1, sent, returned)]) for returned in (honest, reversed_, honest, honest)]
+    assert [len(taken) for taken in rounds] == [1, 0, 1, 1]
+    ((node, why),) = rejected
+    assert node == 1 and "update reversed against its node's own earlier ones in stream 'model'" in why
+    assert "cosine -1.00 with its last update taken" in why
+    # A node whose first update was reversed (taken: nothing to measure it against) loses its
+    # first honest update (against both witnesses), and is believed from its second (its last seen).
+    rejected.clear()
+    rounds = [guard.bound([reply(2, sent, returned)]) for returned in (reversed_, honest, honest, reversed_)]
+    assert [len(taken) for taken in rounds] == [1, 0, 1, 0] and [node for node, _ in rejected] == [2, 2]
+    # The price of the second witness: a node that reverses twice in a row is believed the
+    # second time (it agrees with its last seen), and so loses its next honest one too.
+    rejected.clear()
+    rounds = [guard.bound([reply(3, sent, returned)]) for returned in (honest, reversed_, reversed_, honest, honest)]
+    assert [len(taken) for taken in rounds] == [1, 0, 1, 0, 1] and [node for node, _ in rejected] == [3, 3]
+    # Streams keep their own witnesses, and the check can be turned off.
+    assert guard.bound([reply(1, sent, reversed_)], stream="head") != []
+    assert not ReplyGuard("FedSeq", history_check=False).history_check
+    assert not ReplyGuard("FedSeq", update_clip=0.0).history_check  # the bounds off: every reply as it is
 
 
 @pytest.mark.parametrize("clip", [-1.0, 0.5])

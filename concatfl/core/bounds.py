@@ -71,11 +71,10 @@ def flatten(model: Weights) -> np.ndarray:
     return np.concatenate(floats) if floats else np.zeros(0)
 
 
-def update_norm(origin: Weights | None, returned: Weights) -> float:
-    """‖returned − origin‖ over the floating-point arrays (origin None: ‖returned‖, for replies
-    that are updates themselves, such as SCAFFOLD's Δy and Δc)."""
-    moved = flatten(returned) if origin is None else flatten(returned) - flatten(origin)
-    return float(np.linalg.norm(moved))
+def update_vector(origin: Weights | None, returned: Weights) -> np.ndarray:
+    """returned − origin over the floating-point arrays, flat (origin None: returned, for replies
+    that are updates themselves, such as SCAFFOLD's Δy and Δc); its norm is the update's length."""
+    return flatten(returned) if origin is None else flatten(returned) - flatten(origin)
 
 
 def reference(values: Iterable[float]) -> float | None:

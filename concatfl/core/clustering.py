@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .witness import believed, cosine
+
 # K-means restarts; the best of them (lowest inertia) is kept.
 KMEANS_RESTARTS = 10
 # Candidate K for `auto` run from 1 to this (and never beyond the number of distinct points).
@@ -276,7 +278,7 @@ def agreement(reported: np.ndarray, inferred: np.ndarray, reported_mean: np.ndar
     report that names other classes than the client trains on. 0 when either centred vector
     is zero (no signal).
     """
-    return _cosine(np.asarray(reported, dtype=np.float64) - reported_mean, np.asarray(inferred, dtype=np.float64) - inferred_mean)
+    return cosine(np.asarray(reported, dtype=np.float64) - reported_mean, np.asarray(inferred, dtype=np.float64) - inferred_mean)
 
 
 def head_agreement(centred_distribution: np.ndarray, bias_update: np.ndarray) -> float:
@@ -288,7 +290,7 @@ def head_agreement(centred_distribution: np.ndarray, bias_update: np.ndarray) ->
     node's data; a global head predicts about p̄, so an honest Δb points along p − p̄ (cosine near
     1) and a reversed update against it (near −1). 0 when either vector is zero (no signal).
     """
-    return _cosine(np.asarray(centred_distribution, dtype=np.float64), np.asarray(bias_update, dtype=np.float64))
+    return cosine(centred_distribution, bias_update)
 
 
 def head_update_believed(
@@ -310,21 +312,15 @@ def head_update_believed(
     if centred_distribution is not None:
         agreements["distribution"] = head_agreement(centred_distribution, bias_update)
     if previous_bias_update is not None:
-        agreements["previous"] = _cosine(np.asarray(previous_bias_update, dtype=np.float64), np.asarray(bias_update, dtype=np.float64))
-    return not agreements or max(agreements.values()) >= bound, agreements
-
-
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    """cos(a, b); 0 when either is zero."""
-    norms = float(np.linalg.norm(a) * np.linalg.norm(b))
-    return float(a @ b / norms) if norms > 0 else 0.0
+        agreements["previous"] = cosine(previous_bias_update, bias_update)
+    return believed(agreements, bound), agreements
 
 
 def nearest_profile(inferred: np.ndarray, inferred_mean: np.ndarray, profiles: Mapping[int, np.ndarray]) -> int:
     """The cluster whose profile (the mean centred P^ID of its trusted members) is most like a
     node's centred P^ID, by cosine; ties go to the lower cluster."""
     q = np.asarray(inferred, dtype=np.float64) - inferred_mean
-    scores = {cluster: _cosine(q, profile) for cluster, profile in sorted(profiles.items())}
+    scores = {cluster: cosine(q, profile) for cluster, profile in sorted(profiles.items())}
     return max(scores, key=lambda cluster: (scores[cluster], -cluster))
 
 

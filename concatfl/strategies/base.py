@@ -80,6 +80,10 @@ class RelayStrategy(Strategy):
     weight_clip : float (default: 4.0)
         c_w ≥ 1: no reply's num-examples counts more than c_w times the lower median of the
         recent ones; 0 turns the bound off.
+    history_check : bool (default: True)
+        Reject a reply whose update is reversed against its node's own earlier updates of the
+        same kind (cosine below 0 with both its last update taken and its last seen;
+        `core.witness`), like a lost reply; False (or `update_clip` 0): off.
 
     Attributes
     ----------
@@ -96,6 +100,7 @@ class RelayStrategy(Strategy):
         seed: int = 0,
         update_clip: float = DEFAULT_UPDATE_CLIP,
         weight_clip: float = DEFAULT_WEIGHT_CLIP,
+        history_check: bool = True,
     ) -> None:
         if not 0.0 <= fraction_evaluate <= 1.0:
             raise ValueError(f"fraction_evaluate must be in [0, 1], got {fraction_evaluate}")
@@ -104,7 +109,7 @@ class RelayStrategy(Strategy):
         self.seed = seed
         self.update_clip = update_clip
         self.weight_clip = weight_clip
-        self.guard = ReplyGuard(type(self).__name__, update_clip, weight_clip, on_reject=self._reject_outsized)
+        self.guard = ReplyGuard(type(self).__name__, update_clip, weight_clip, history_check, self._reject_guarded)
         self.rng = np.random.default_rng(seed)
         self.history: list[dict[str, Any]] = []
         self.setup_record: dict[str, Any] = {}
@@ -235,9 +240,9 @@ class RelayStrategy(Strategy):
         self.guard.note_rejected([miss])
         log(WARNING, "Node %s (%s) left out: %s", reply.node_id, reply.request.tag, problem)
 
-    def _reject_outsized(self, reply: Reply, problem: str) -> None:
-        """The guard's rejection of a reply too long to be an update: it leaves the replies of
-        the hop of this round that brought it (matched by its request) for that hop's misses."""
+    def _reject_guarded(self, reply: Reply, problem: str) -> None:
+        """The guard's rejection of a reply (too long to be an update, or reversed): it leaves the
+        replies of the hop of this round that brought it (matched by its request) for its misses."""
         for hop in reversed(self._round_hops):
             own = next((mine for mine in hop.replies if mine.request is reply.request), None)
             if own is not None:

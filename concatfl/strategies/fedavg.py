@@ -61,7 +61,7 @@ class FedAvg(RelayStrategy):
     aggregation : str | Aggregation (default: "mean")
         How the round's (bounded) models are combined: "mean" (weighted by num-examples),
         "median", "trimmed-mean", "krum" or "multi-krum" (`concatfl.strategies.aggregation`).
-    fraction_evaluate, round_timeout, seed, update_clip, weight_clip
+    fraction_evaluate, round_timeout, seed, update_clip, weight_clip, history_check
         See `RelayStrategy`.
     """
 
@@ -77,8 +77,9 @@ class FedAvg(RelayStrategy):
         seed: int = 0,
         update_clip: float = DEFAULT_UPDATE_CLIP,
         weight_clip: float = DEFAULT_WEIGHT_CLIP,
+        history_check: bool = True,
     ) -> None:
-        super().__init__(fraction_evaluate, round_timeout, seed, update_clip, weight_clip)
+        super().__init__(fraction_evaluate, round_timeout, seed, update_clip, weight_clip, history_check)
         if feddyn is not None and proximal_mu > 0:
             raise ValueError("FedDyn has its own proximal term; use proximal_mu=0 with feddyn")
         if not 0.0 < fraction_train <= 1.0:
@@ -163,6 +164,7 @@ def build(config: RunConfig, env: ServerEnv) -> FedAvg:
         "seed": config.seed,
         "update_clip": config.update_clip,
         "weight_clip": config.weight_clip,
+        "history_check": config.checks_update_history,
     }
     if config.strategy == "fedprox":
         return FedProx(proximal_mu=config.proximal_mu, **common)

@@ -129,7 +129,7 @@ class FedCat(RelayStrategy):
         The server's damped (η; "auto": adapted from the hops' lengths, an option: docs/strategies.md) and bounded (c) hops and
         its divergence check: see `ChainGuard` and docs/strategies.md. `hop_step=1,
         hop_clip=0` (with `update_clip=0`) is the paper's algorithm exactly.
-    fraction_evaluate, round_timeout, seed, update_clip, weight_clip
+    fraction_evaluate, round_timeout, seed, update_clip, weight_clip, history_check
         See `RelayStrategy`.
     """
 
@@ -151,8 +151,9 @@ class FedCat(RelayStrategy):
         seed: int = 0,
         update_clip: float = DEFAULT_UPDATE_CLIP,
         weight_clip: float = DEFAULT_WEIGHT_CLIP,
+        history_check: bool = True,
     ) -> None:
-        super().__init__(fraction_evaluate, round_timeout, seed, update_clip, weight_clip)
+        super().__init__(fraction_evaluate, round_timeout, seed, update_clip, weight_clip, history_check)
         if k < 0 or k == 1:
             raise ValueError(f"k must be 0 (auto) or >= 2, got {k}")
         if not 0.0 < fraction_train <= 1.0:
@@ -447,5 +448,6 @@ def build(config: RunConfig, env: ServerEnv) -> FedCat:
         seed=config.seed,
         update_clip=config.update_clip,
         weight_clip=config.weight_clip,
+        history_check=config.checks_update_history,
     )
 

@@ -163,7 +163,7 @@ class FedSeq(RelayStrategy):
     hop_step, hop_clip, check_parts (default: 0.5, 1.5, True)
         The server's damped (η; "auto": adapted from the hops' lengths) and bounded (c) hops
         and its divergence check: see `ChainGuard` and docs/strategies.md. `hop_step=1, hop_clip=0` (with `update_clip=0`) is the paper's algorithm exactly.
-    fraction_evaluate, round_timeout, seed, update_clip, weight_clip
+    fraction_evaluate, round_timeout, seed, update_clip, weight_clip, history_check
         See `RelayStrategy`. The pre-training replies are bounded against each other (stream
         "pretrain"): their sample counts are the superclients' weights.
     """
@@ -201,8 +201,9 @@ class FedSeq(RelayStrategy):
         seed: int = 0,
         update_clip: float = DEFAULT_UPDATE_CLIP,
         weight_clip: float = DEFAULT_WEIGHT_CLIP,
+        history_check: bool = True,
     ) -> None:
-        super().__init__(fraction_evaluate, round_timeout, seed, update_clip, weight_clip)
+        super().__init__(fraction_evaluate, round_timeout, seed, update_clip, weight_clip, history_check)
         if approximator is None:
             approximator = "conf" if exemplar_pool is not None else "clf"
         if metric is None:
@@ -804,4 +805,5 @@ def build(config: RunConfig, env: ServerEnv) -> FedSeq:
         seed=config.seed,
         update_clip=config.update_clip,
         weight_clip=config.weight_clip,
+        history_check=config.checks_update_history,
     )

@@ -21,7 +21,11 @@ reply wrecks the global model for good. `ReplyGuard.bound` applies the rule of
   one reference for all streams also keeps a few large members of one FedConcat cluster from
   being measured against a single small one); a report more than that many times both the
   reference and its node's own previous report counts as that previous report
-  (`core.bounds.bounded_weight`).
+  (`core.bounds.bounded_weight`);
+* its direction (with `history_check`): an update whose cosine is below 0 with both its node's
+  last update taken and last update seen in the same stream is reversed, and rejected like an
+  outsized one (`core.witness`; the witnesses are kept as sketches, 4 KiB per node and stream, 8
+  after a rejection).
 
 Every clipped or down-weighted reply is recorded (node, stream, factor) under ``"guard"`` in the
 round's record, and counted in the round's log line (rejected replies are the hops' misses); the
@@ -57,8 +61,9 @@ from ..core.bounds import (
     reference,
     scale,
     stream_reference,
-    update_norm,
+    update_vector,
 )
+from ..core.witness import AGREEMENT_BOUND, sketch, update_believed
 from .common import ARRAYS_KEY, METRICS_KEY, NUM_EXAMPLES_KEY, Miss, Reply, jsonable, to_numpy, to_record
 
 # A node whose replies were clipped, down-weighted or rejected in this many rounds is named once.
@@ -85,9 +90,15 @@ class ReplyGuard:
         c_w ≥ 1: a reply's num-examples counts at most c_w times the lower median of the recent
         weights of all replies, and a report more than c_w times both that and its node's own
         previous report counts as the previous report; 0 turns both off.
+    history_check : bool (default: True)
+        Reject an update whose direction disagrees with its node's own last update taken and
+        last update seen of the same stream (`core.witness.update_believed`: a reversed update);
+        False: every update within the length bounds is taken. Off with `update_clip` 0 too
+        (the bounds off: every reply taken as it is, the papers' algorithms).
     on_reject : Callable[[Reply, str], None] | None (default: None)
-        Told of every reply `bound` leaves out as too long to be an update, with the reason
-        (a strategy moves it to its hop's misses, `RelayStrategy.reject`); None: logged only.
+        Told of every reply `bound` leaves out (too long to be an update, or reversed against
+        its node's history), with the reason (a strategy moves it to its hop's misses,
+        `RelayStrategy.reject`); None: logged only.
     """
 
     def __init__(
@@ -95,6 +106,7 @@ class ReplyGuard:
         strategy: str,
         update_clip: float = DEFAULT_UPDATE_CLIP,
         weight_clip: float = DEFAULT_WEIGHT_CLIP,
+        history_check: bool = True,
         on_reject: Callable[[Reply, str], None] | None = None,
     ) -> None:
         check_clip("update_clip", update_clip)
@@ -102,10 +114,13 @@ class ReplyGuard:
         self.strategy = strategy
         self.update_clip = update_clip
         self.weight_clip = weight_clip
+        self.history_check = history_check and update_clip > 0
         self.on_reject = on_reject
         self._lengths: dict[str, deque[float]] = {}
         self._weights: deque[float] = deque(maxlen=REFERENCE_WINDOW)
         self._reported: dict[int, float] = {}  # each node's latest num-examples, as reported
+        # Each (stream, node)'s witnesses: the sketches of its last update taken and last seen.
+        self._witnesses: dict[tuple[str, int], tuple[np.ndarray | None, np.ndarray]] = {}
         self._round = 0
         self._events: list[dict[str, Any]] = []
         self._streams: dict[str, dict[str, float | None]] = {}
@@ -141,7 +156,8 @@ class ReplyGuard:
         themselves (SCAFFOLD), else models to compare with what was sent. `weights`: bound
         num-examples too. `peers`: streams whose updates are of the same kind (FedConcat's other
         clusters); their lengths complete a reference that rests on fewer than two of the
-        stream's own. Each returned reply carries `length`, `reference` and `share`.
+        stream's own. With `history_check`, an update reversed against its node's earlier updates
+        of the stream is rejected too. Each returned reply carries `length`, `reference` and `share`.
         """
         replies = list(replies)  # `on_reject` may take a reply out of the list passed (a hop's replies)
         if not replies:
@@ -149,7 +165,8 @@ class ReplyGuard:
         sent: dict[int, dict[str, np.ndarray]] = {}  # a hop sends most of its replies' origin once
         origins = [None if from_zero else _decoded_once(_sent(reply, key), sent) for reply in replies]
         returned = [reply.numpy(key) for reply in replies]
-        lengths = [update_norm(origin, values) for origin, values in zip(origins, returned)]
+        updates = [update_vector(origin, values) for origin, values in zip(origins, returned)]
+        lengths = [float(np.linalg.norm(update)) for update in updates]
         window = self._lengths.setdefault(stream, deque(maxlen=REFERENCE_WINDOW))
         others = [length for name in peers if name != stream for length in self._lengths.get(name, ())]
         ref = stream_reference([*window, *(lengths if joins else [])], others)
@@ -157,7 +174,7 @@ class ReplyGuard:
         alone = not window and not others and (len(lengths) == 1 or not joins)
         weight_ref = reference([*self._weights, *(reply.num_examples for reply in replies)]) if weights else None
         bounded = []
-        for index, (reply, origin, values, length) in enumerate(zip(replies, origins, returned, lengths)):
+        for index, (reply, origin, values, update, length) in enumerate(zip(replies, origins, returned, updates, lengths)):
             if outsized(length, ref, self.update_clip):
                 assert ref is not None
                 self._reject(reply, f"update of length {length:.4g}, {length / ref:.3g} times the reference {ref:.4g} "
@@ -166,6 +183,8 @@ class ReplyGuard:
             if alone and outsized_alone(length, origin, self.update_clip):
                 self._reject(reply, f"update of length {length:.4g}, the first of stream '{stream}' with no other to measure "
                              f"it against: beyond {REJECT_BEYOND:g} bounds of the norm of the model it was sent, not an update")
+                continue
+            if self.history_check and not self._believed(reply, stream, update):
                 continue
             content = reply.content
             num_examples = reply.num_examples
@@ -202,6 +221,19 @@ class ReplyGuard:
         if weights:  # as taken: a report of 10¹² examples joins as its bound, not as a new reference
             self._weights.extend(reply.num_examples for reply in bounded)
         return bounded
+
+    def _believed(self, reply: Reply, stream: str, update: np.ndarray) -> bool:
+        """Whether the node's update agrees with one of its witnesses (`core.witness`); it becomes
+        the node's last seen, and its last taken if believed; a reversed one is rejected."""
+        kept = sketch(update)
+        taken, seen = self._witnesses.get((stream, reply.node_id), (None, None))
+        trusted, agreements = update_believed(kept, taken, seen)
+        self._witnesses[(stream, reply.node_id)] = (kept if trusted else taken, kept)
+        if not trusted:
+            cosines = ", ".join(f"{value:.2f} with its last update {name}" for name, value in agreements.items())
+            self._reject(reply, f"update reversed against its node's own earlier ones in stream '{stream}' "
+                         f"(cosine {cosines}; below {AGREEMENT_BOUND:g} with every one)")
+        return trusted
 
     def _reject(self, reply: Reply, problem: str) -> None:
         if self.on_reject is not None:
@@ -270,6 +302,7 @@ class ReplyGuard:
             "lengths": {stream: list(values) for stream, values in self._lengths.items()},
             "weights": list(self._weights),
             "reported": {str(node): weight for node, weight in self._reported.items()},
+            "witnesses": [[stream, node, taken, seen] for (stream, node), (taken, seen) in self._witnesses.items()],
             "node_rounds": {str(node): sorted(rounds) for node, rounds in self._node_rounds.items()},
             "warned": sorted(self._warned),
         }
@@ -279,6 +312,7 @@ class ReplyGuard:
         self._lengths = {s: deque(map(float, v), maxlen=REFERENCE_WINDOW) for s, v in state["lengths"].items()}
         self._weights = deque(map(float, state["weights"]), maxlen=REFERENCE_WINDOW)
         self._reported = {int(node): float(weight) for node, weight in state["reported"].items()}
+        self._witnesses = {(stream, int(node)): (taken, seen) for stream, node, taken, seen in state["witnesses"]}
         self._node_rounds = {int(node): set(rounds) for node, rounds in state["node_rounds"].items()}
         self._warned = {int(node) for node in state["warned"]}
 

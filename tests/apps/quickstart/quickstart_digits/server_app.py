@@ -67,6 +67,7 @@ def build(config, x_test: torch.Tensor, y_test: torch.Tensor) -> RelayStrategy:
         "update_clip": float(config["update-clip"]),
         "weight_clip": float(config["weight-clip"]),
     }
+    checks = {"history_check": bool(config["history-check"])}  # FedConcat has checks of its own
     aggregation = Aggregation(
         str(config["aggregation"]), float(config["aggregation-trim"]), int(config["aggregation-byzantine"])
     )
@@ -76,12 +77,12 @@ def build(config, x_test: torch.Tensor, y_test: torch.Tensor) -> RelayStrategy:
         hops["hop_step"] = parse_hop_step(step)
     fraction = float(config["fraction-train"])
     if variant == "fedavg":
-        return FedAvg(fraction_train=fraction, aggregation=aggregation, **guard)
+        return FedAvg(fraction_train=fraction, aggregation=aggregation, **guard, **checks)
     if variant == "fedcat":
-        return FedCat(k=int(config["fedcat-k"]), **hops, **guard)
+        return FedCat(k=int(config["fedcat-k"]), **hops, **guard, **checks)
     if variant in ("fedseq", "fedseq-inter"):
         cls = FedSeqInter if variant == "fedseq-inter" else FedSeq
-        return cls(Net, NUM_CLASSES, exemplar_pool=(x_test, y_test), fraction_train=fraction, **hops, **guard)
+        return cls(Net, NUM_CLASSES, exemplar_pool=(x_test, y_test), fraction_train=fraction, **hops, **guard, **checks)
     return FedConcat(
         label_inference=variant == "fedconcat-id",
         head="fc3",
