@@ -33,6 +33,7 @@ from concatfl.deployment.warm_executor import (
     TaskReport,
     main,
     parse_args,
+    stop_with_parent,
     task_records,
 )
 from concatfl.deployment.fleet import log_count, online_node_ids, wait_for
@@ -87,6 +88,19 @@ def test_an_executor_started_with_sigint_ignored_still_exits_with_its_parent():
         return [p for p in psutil.process_iter(["cmdline"]) if flag in " ".join(p.info["cmdline"] or [])]
 
     wait_for(lambda: not its_worker(), 30, "the executor's worker to exit with it")
+
+
+def test_the_parent_monitor_interrupts_a_main_thread_waiting_out_a_retry_back_off():
+    # Flower's retry back-off waits on an Event; a SIGINT raised in the monitor's own thread
+    # would reach the main thread only when that wait ends (up to a minute).
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    monitor = threading.Thread(target=stop_with_parent, args=(ended.pid, types.SimpleNamespace(worker=None)), daemon=True)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):  # entered first: the parent is gone, the SIGINT comes at once
+        monitor.start()
+        threading.Event().wait(30)
+    assert time.monotonic() - started < 5
 
 
 def test_bad_arguments_name_the_flag(capsys):

@@ -594,7 +594,7 @@ def exit_with_parent(parent_pid: int, interval: float = 0.2, grace: float = 2.0)
     """
     while os.getppid() == parent_pid:
         time.sleep(interval)
-    signal.raise_signal(signal.SIGINT)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # see `stop_with_parent`
     time.sleep(grace)
     os._exit(128 + signal.SIGINT)
 
@@ -616,7 +616,10 @@ def stop_with_parent(parent_pid: int, supervisor: Supervisor) -> None:
 
     while parent_alive():
         time.sleep(0.2)
-    signal.raise_signal(signal.SIGINT)  # pending in the main thread before its read returns
+    # To the main thread itself: raised in this thread, the SIGINT waits until the main thread
+    # next runs Python code, and one waiting out Flower's retry back-off (an Event.wait of up to a
+    # minute) went on retrying its connection that long after its SuperNode was gone.
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
     if supervisor.worker is not None:
         with contextlib.suppress(ProcessLookupError):
             supervisor.worker.process.kill()
