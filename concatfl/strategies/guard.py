@@ -165,8 +165,11 @@ class ReplyGuard:
         sent: dict[int, dict[str, np.ndarray]] = {}  # a hop sends most of its replies' origin once
         origins = [None if from_zero else _decoded_once(_sent(reply, key), sent) for reply in replies]
         returned = [reply.numpy(key) for reply in replies]
-        updates = [update_vector(origin, values) for origin, values in zip(origins, returned)]
-        lengths = [float(np.linalg.norm(update)) for update in updates]
+        lengths, directions = [], []  # one flat update at a time: a hop's together would be a copy of each model
+        for origin, values in zip(origins, returned):
+            update = update_vector(origin, values)
+            lengths.append(float(np.linalg.norm(update)))
+            directions.append(sketch(update) if self.history_check else None)
         window = self._lengths.setdefault(stream, deque(maxlen=REFERENCE_WINDOW))
         others = [length for name in peers if name != stream for length in self._lengths.get(name, ())]
         ref = stream_reference([*window, *(lengths if joins else [])], others)
@@ -174,7 +177,9 @@ class ReplyGuard:
         alone = not window and not others and (len(lengths) == 1 or not joins)
         weight_ref = reference([*self._weights, *(reply.num_examples for reply in replies)]) if weights else None
         bounded = []
-        for index, (reply, origin, values, update, length) in enumerate(zip(replies, origins, returned, updates, lengths)):
+        for index, (reply, origin, values, direction, length) in enumerate(
+            zip(replies, origins, returned, directions, lengths)
+        ):
             if outsized(length, ref, self.update_clip):
                 assert ref is not None
                 self._reject(reply, f"update of length {length:.4g}, {length / ref:.3g} times the reference {ref:.4g} "
@@ -184,7 +189,7 @@ class ReplyGuard:
                 self._reject(reply, f"update of length {length:.4g}, the first of stream '{stream}' with no other to measure "
                              f"it against: beyond {REJECT_BEYOND:g} bounds of the norm of the model it was sent, not an update")
                 continue
-            if self.history_check and not self._believed(reply, stream, update):
+            if direction is not None and not self._believed(reply, stream, direction):
                 continue
             content = reply.content
             num_examples = reply.num_examples
@@ -222,10 +227,9 @@ class ReplyGuard:
             self._weights.extend(reply.num_examples for reply in bounded)
         return bounded
 
-    def _believed(self, reply: Reply, stream: str, update: np.ndarray) -> bool:
-        """Whether the node's update agrees with one of its witnesses (`core.witness`); it becomes
-        the node's last seen, and its last taken if believed; a reversed one is rejected."""
-        kept = sketch(update)
+    def _believed(self, reply: Reply, stream: str, kept: np.ndarray) -> bool:
+        """Whether the node's update (its `core.witness.sketch`) agrees with one of its witnesses;
+        it becomes the node's last seen, and its last taken if believed; a reversed one is rejected."""
         taken, seen = self._witnesses.get((stream, reply.node_id), (None, None))
         trusted, agreements = update_believed(kept, taken, seen)
         self._witnesses[(stream, reply.node_id)] = (kept if trusted else taken, kept)
