@@ -4,7 +4,7 @@ A reply can be well-formed and of ordinary length and still undo training: an up
 sign flipped (a wrong loss sign, gradient ascent, an attacker) moves the model exactly as far as
 an honest one, the other way. Its length says nothing; its direction does. A node trains on the
 same data every time it is asked, so its updates point much the same way from round to round:
-measured over ten seeds at 30 % fuzzed replies (docs/results.md, "Robustness"), the cosine of a
+measured over ten seeds at 30 % fuzzed replies (docs/strategies.md, "Directions"), the cosine of a
 node's full-model update with its own previous honest update was 0.01 to 1 in FedSeq, 0.04 to 1
 in FedAvg, −0.02 once and else 0.16 to 1 for the quickstart app's FedSeq; a sign-flipped update
 after an honest one −0.96 to −0.12, an honest update after a sign-flipped one at most −0.43.
