@@ -13,11 +13,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
-from ..config import DEFAULT_ROUND_TIMEOUT, parse_hop_step
+from ..config import parse_hop_step
 from ..core.fedcat import (
     CountTable,
     cycle_offset,
@@ -29,7 +28,7 @@ from ..core.fedcat import (
     select_random,
     select_replacement,
 )
-from .base import EvaluateFn, RelayStrategy
+from .base import RelayStrategy
 from .common import (
     NUM_EXAMPLES_KEY,
     HopResult,
