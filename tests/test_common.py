@@ -14,6 +14,7 @@ from concatfl.strategies.common import (
     live_node_ids,
     message_bytes,
     relay,
+    relay_in_batches,
     reply_problem,
     sample_nodes,
     to_messages,
@@ -21,7 +22,7 @@ from concatfl.strategies.common import (
     train_content,
     weighted_average,
 )
-from tests.fakes import BIG_IDS, FakeGrid, reply_with
+from tests.fakes import BIG_IDS, FakeGrid, Later, reply_with
 
 TEMPLATE = ArrayRecord(
     {"w": Array(np.zeros((2, 3), np.float32)), "b": Array(np.zeros(3, np.float32)),
@@ -230,6 +231,35 @@ def test_relay_with_no_requests_sends_nothing():
     grid = FakeGrid({BIG_IDS[0]: _good})
     hop = relay(grid, [], timeout=None)
     assert grid.sent == [] and hop.replies == [] and hop.misses == [] and hop.bytes_sent == 0
+
+
+def test_relay_in_batches_gives_each_pull_as_it_arrives_and_the_misses_last():
+    nodes = BIG_IDS[:5]
+
+    def slow(message: Message) -> Later:
+        return Later(_good(message), 0.3)
+
+    def bad(message: Message) -> Message:
+        return reply_with(message, _content(ArrayRecord({"w": Array(np.full(4, np.nan, np.float32))}), 7))
+
+    handlers = {nodes[0]: slow, nodes[1]: _good, nodes[2]: lambda m: None, nodes[3]: bad, nodes[4]: _good}
+    parts = list(relay_in_batches(FakeGrid(handlers), _requests(nodes), timeout=1.0))
+    # The first pull brings the three answers that were there at once (in request order, the
+    # malformed one a miss), the second the slow one, the last the node that never answered.
+    assert [[reply.node_id for reply in part.replies] for part in parts] == [[nodes[1], nodes[4]], [nodes[0]], []]
+    assert [[miss.request.node_id for miss in part.misses] for part in parts] == [[nodes[3]], [], [nodes[2]]]
+    assert parts[2].misses[0].reason == "no reply before the round timeout"
+    whole = HopResult()
+    for part in parts:
+        whole.add(part)
+    assert whole.bytes_sent == parts[-1].bytes_sent == relay(FakeGrid(handlers), _requests(nodes), timeout=1.0).bytes_sent
+    assert whole.bytes_received > 0 and whole.seconds >= 0.3
+    assert whole.as_record()["sent"] == 5 and whole.as_record()["replies"] == 3
+
+
+def test_relay_in_batches_without_requests_yields_nothing():
+    grid = FakeGrid({BIG_IDS[0]: _good})
+    assert list(relay_in_batches(grid, [], timeout=None)) == [] and grid.sent == []
 
 
 def test_collect_ignores_unexpected_and_duplicate_replies():

@@ -160,6 +160,7 @@ def strategy(**kwargs) -> FedConcat:
         normalization=NORMALIZATION,
         make_model=make_model,
         seed=0,
+        round_timeout=0.5,  # stage 1 waits this long for a silent node's reply
     )
     settings.update(kwargs)
     return FedConcat(**settings)
@@ -233,7 +234,7 @@ def test_stage1_clusters_nodes_by_reported_label_distribution():
     assert record["bytes_sent"] > 0 and record["bytes_received"] > 0
 
 
-def test_stage1_missing_or_bad_distribution_joins_the_cluster_nearest_the_mean():
+def test_stage1_missing_or_bad_distribution_twice_joins_the_cluster_nearest_the_mean():
     federation = Federation()
     federation.faults[(5, LABELS_MESSAGE_TYPE)] = drop
     bad = {"label-distribution": [float("nan")] * NUM_CLASSES}
@@ -241,11 +242,33 @@ def test_stage1_missing_or_bad_distribution_joins_the_cluster_nearest_the_mean()
         m, RecordDict({"metrics": MetricRecord(bad)})
     )
     fed = strategy()
-    fed.setup(federation.grid(), ArrayRecord(make_model().state_dict()), TRAIN_CONFIG)
-    assert fed.setup_record["unreported_nodes"] == [4, 5]
+    grid = federation.grid()
+    fed.setup(grid, ArrayRecord(make_model().state_dict()), TRAIN_CONFIG)
+    assert fed.setup_record["unreported_nodes"] == [4, 5] and 4 not in fed.assignment and 5 not in fed.assignment
+    fed._place_start(grid)
+    assert sorted(m.metadata.dst_node_id for m in grid.hops[-1]) == [4, 5]  # stage 1 asks them once more
     # Reported: 0-2 on {0,1}, 3 on {2,3}; the mean (weight 3:1) is nearest to the {0,1} cluster.
     assert groups(fed) == {frozenset({0, 1, 2, 4, 5}), frozenset({3})}
     assert set(fed.setup_record["distributions"]) == {"0", "1", "2", "3"}
+    assert [(p["node"], p["where"]["by"], p["why"]) for p in fed.setup_record["placements"]] == [
+        (4, "nearest to the mean", "no usable stage-1 reply, asked again"),
+        (5, "nearest to the mean", "no usable stage-1 reply, asked again"),
+    ]
+
+
+def test_stage1_asks_a_node_whose_distribution_was_lost_once_more_and_places_it_by_its_answer():
+    federation = Federation()
+    lost = [True]
+    federation.faults[(5, LABELS_MESSAGE_TYPE)] = lambda m, reply: None if lost and lost.pop() else reply
+    fed = strategy()
+    grid = federation.grid()
+    fed.setup(grid, ArrayRecord(make_model().state_dict()), TRAIN_CONFIG)
+    fed._place_start(grid)
+    # Node 5 trains on {2, 3}: its second answer puts it with 3 and 4, not nearest the mean.
+    assert groups(fed) == {frozenset({0, 1, 2}), frozenset({3, 4, 5})}
+    (placed,) = fed.setup_record["placements"]
+    assert placed == {"node": 5, "where": {"cluster": fed.assignment[3], "by": "reported, unchecked"},
+                      "why": "no usable stage-1 reply, asked again"}
 
 
 def test_empty_clusters_are_dropped():
@@ -264,6 +287,8 @@ def test_fedconcat_id_infers_distributions_from_one_round_of_training():
     assert [m.metadata.message_type for m in grid.hops[0]] == ["train"] * 6  # ordinary training only
     assert all(m.content["config"]["local-epochs"] == 5 for m in grid.hops[0])
     assert groups(fed) == {frozenset({0, 1, 2}), frozenset({3, 4, 5})}
+    # Each model is read as it arrives and let go: the hop keeps its replies' metrics only.
+    assert all(not reply.content.array_records and not reply.decoded for reply in fed._round_hops[0].replies)
     for node, distribution in fed.setup_record["distributions"].items():
         own = GROUPS[int(node)]
         assert sum(distribution) == pytest.approx(1.0, abs=1e-5)

@@ -115,6 +115,7 @@ def strategy(cls: type[FedSeq] = FedSeq, **kwargs) -> FedSeq:
         "weight_clip": 0.0,
         "check_parts": False,
         "seed": 0,
+        "round_timeout": 0.5,  # stage 1 waits this long for a silent node's reply
     }
     return cls(make_model, NUM_CLASSES, **{**settings, **kwargs})
 
@@ -179,6 +180,19 @@ def test_setup_pretrains_every_node_and_builds_full_class_superclients():
     assert record["mean_balance_ratio_estimated"] > 0.99
 
 
+def test_stage1_describes_each_pretrained_model_as_it_arrives_and_keeps_none():
+    # 10,000 clients' models at once would not fit in memory: the pre-training hop keeps only
+    # its replies' metrics, and the grouping is the one of the test above.
+    clients = clients_for(8)
+    fedseq = strategy()
+    fedseq.setup(FakeGrid(clients), initial_arrays(), ConfigRecord({"lr": 0.1}))
+    pretraining = fedseq._round_hops[0]
+    assert [reply.node_id for reply in pretraining.replies] == list(range(1, 9))
+    assert all(not reply.content.array_records and not reply.decoded for reply in pretraining.replies)
+    assert [reply.metrics["num-examples"] for reply in pretraining.replies] == [10] * 8
+    assert [sorted(clients[n].label for n in members) for members in fedseq.plan.values()] == [[0, 1, 2, 3]] * 2
+
+
 def test_true_label_counts_are_queried_only_when_asked():
     clients = clients_for(8)
     fedseq = strategy(report_label_counts=True)
@@ -201,20 +215,42 @@ def test_true_label_counts_are_queried_only_when_asked():
     assert all(m.metadata.message_type == "train" for hop in grid.hops for m in hop)
 
 
-def test_a_node_missing_at_pretraining_joins_the_smallest_superclient():
+def test_a_node_missing_at_pretraining_is_asked_again_then_joins_the_smallest_superclient():
     clients = clients_for(9)
     grid = FakeGrid({**clients, 3: lambda message: None})
     fedseq = strategy()
     fedseq.setup(grid, initial_arrays(), ConfigRecord())
-    assert fedseq.setup_record["left_out"] == [3]
-    # Its data still trains: it joins the superclient that held the fewest samples, counted as a median client.
+    assert fedseq.setup_record["left_out"] == [3] and 3 not in fedseq.membership.places
+    fedseq._place_start(grid)
+    assert [m.metadata.dst_node_id for m in grid.hops[-1]] == [3]  # stage 1 asks it once more
+    # Silent again, its data still trains: it joins the superclient that held the fewest samples, counted as a median client.
     (placed,) = fedseq.setup_record["placements"]
-    assert placed["node"] == 3 and placed["why"] == "no usable stage-1 reply"
+    assert placed["node"] == 3 and placed["why"] == "no usable stage-1 reply, asked again"
     sid = placed["where"]["superclient"]
-    samples = {s: sum(clients[n].num_examples for n in members if n != 3) for s, members in fedseq.superclients.items()}
-    assert samples[sid] == min(samples.values()) and 3 in fedseq.superclients[sid]
+    samples = {s: sum(clients[n].num_examples for n in members if n != 3) for s, members in fedseq.plan.items()}
+    assert samples[sid] == min(samples.values()) and 3 in fedseq.plan[sid]
     assert fedseq.client_samples[3] == 10
-    assert sorted(n for nodes in fedseq.superclients.values() for n in nodes) == list(range(1, 10))
+    assert sorted(n for nodes in fedseq.plan.values() for n in nodes) == list(range(1, 10))
+
+
+def test_a_node_whose_pretraining_reply_was_lost_once_joins_the_superclient_its_second_one_fits():
+    clients = {**clients_for(8), 9: Client(9, 0, 25)}
+    lost = [True]  # its first pre-training reply is lost on the way
+
+    def lossy(message: Message):
+        return None if lost and lost.pop() else clients[9](message)
+
+    grid = FakeGrid({**clients, 9: lossy})
+    fedseq = strategy()
+    fedseq.setup(grid, initial_arrays(), ConfigRecord())
+    fedseq._place_start(grid)
+    (placed,) = fedseq.setup_record["placements"]
+    assert placed["why"] == "no usable stage-1 reply, asked again"
+    # Its second reply was taken: it counts with its own 25 samples (a node placed without a
+    # pre-trained model counts as the median client, 10) and its approximation joined the estimate.
+    sid = placed["where"]["superclient"]
+    assert 9 in fedseq.plan[sid] and fedseq.client_samples[9] == 25
+    np.testing.assert_allclose(fedseq.estimates[sid].sum(), 40 + 25, rtol=1e-6)
 
 
 def test_clf_approximator_reduces_the_fc_weights_with_pca():

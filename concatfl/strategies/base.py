@@ -46,13 +46,14 @@ from .common import (
     live_node_ids,
     message_bytes,
     relay,
+    relay_in_batches,
     reply_problem,
     sample_nodes,
     to_messages,
 )
 from ..config import DEFAULT_ROUND_TIMEOUT
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP, ReplyGuard
-from .membership import JOINED, RETURNED, START, Membership, placement
+from .membership import ASKED_AGAIN, JOINED, RETURNED, START, Membership, placement
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 _ABSENT = object()
@@ -124,6 +125,7 @@ class RelayStrategy(Strategy):
         self._round_hops: list[HopResult] = []  # every hop of the current round (or of setup)
         self._placing_hops: list[HopResult] = []  # those of them that placed nodes
         self._membership_record: dict[str, Any] = {}  # the current round's membership counts
+        self._deferred: set[int] = set()  # nodes stage 1 asks again (`defer`)
         self._train_config = ConfigRecord()  # the run's training config (placing nodes may train them)
         self.last_round: int | None = None  # the run's last round, once `start()` knows it
 
@@ -136,7 +138,7 @@ class RelayStrategy(Strategy):
 
     def place(self, grid: Grid, nodes: list[int], why: str, server_round: int) -> dict[int, Any]:
         """Where each of `nodes` goes (JSON-ready), for the reason `why` (`membership`'s START,
-        JOINED, RETURNED, or a strategy's own such as NO_STAGE1_REPLY).
+        JOINED, ASKED_AGAIN, RETURNED, or a strategy's own).
 
         Called at the start of a round for nodes that joined or came back (`server_round`), and
         once after `setup` for the nodes connected at the start that setup did not place. The
@@ -215,16 +217,36 @@ class RelayStrategy(Strategy):
         return module
 
     # ------------------------------------------------------------------ helpers for subclasses
-    def hop(self, grid: Grid, requests: list[Request], placing: bool = False) -> HopResult:
+    def hop(
+        self,
+        grid: Grid,
+        requests: list[Request],
+        placing: bool = False,
+        digest: Callable[[list[Reply]], None] | None = None,
+    ) -> HopResult:
         """Run one relay hop with this strategy's timeout; its rejected replies count against
         their nodes (`guard.ReplyGuard`). The hop's traffic counts in the current round's (or
         setup's) record; `placing`: it serves to place nodes (`place`), so its replies do not
-        count as the round's training."""
-        hop = relay(grid, requests, self.round_timeout)
-        self.guard.note_rejected(hop.misses)
+        count as the round's training.
+
+        `digest`: for a hop to every node (stage 1), whose models together would not fit in
+        memory at 10,000 clients. It is given the replies as they arrive, a pull's worth at a
+        time (`common.relay_in_batches`), keeps what it needs of them (it may `reject` some),
+        and the replies then let go of their arrays: the hop returned holds their metrics only."""
+        hop = HopResult()
         self._round_hops.append(hop)
         if placing:
             self._placing_hops.append(hop)
+        parts = [relay(grid, requests, self.round_timeout)] if digest is None else relay_in_batches(
+            grid, requests, self.round_timeout
+        )
+        for part in parts:
+            self.guard.note_rejected(part.misses)
+            hop.add(part)
+            if digest is not None and part.replies:
+                digest(list(part.replies))
+                for reply in part.replies:
+                    reply.drop_arrays()
         return hop
 
     def reject(self, hop: HopResult, reply: Reply, problem: str) -> None:
@@ -443,15 +465,26 @@ class RelayStrategy(Strategy):
     def _place_start(self, grid: Grid) -> None:
         """After setup: place the connected nodes that setup did not place. For a strategy
         without a stage 1 that is every node, placed without a record per node; after a stage 1
-        it is the nodes that connected while it ran, placed as nodes that joined (recorded in
-        the setup record's ``placements``)."""
+        it is the nodes it deferred (`defer`) and those that connected while it ran, placed as
+        nodes that joined (recorded in the setup record's ``placements``)."""
         staged = bool(self.membership.places)
         unplaced = [node for node in live_node_ids(grid) if node not in self.membership.places]
-        why = JOINED if staged else START
+        deferred, self._deferred = self._deferred, set()
+        groups = (
+            ([n for n in unplaced if n in deferred], ASKED_AGAIN), ([n for n in unplaced if n not in deferred], JOINED)
+        ) if staged else ((unplaced, START),)
         placements = self.setup_record.setdefault("placements", []) if staged and unplaced else None
-        for node, where in (self.place(grid, unplaced, why, 0).items() if unplaced else ()):
-            self.settle(node, where, why, placements)
+        for nodes, why in groups:
+            for node, where in (self.place(grid, nodes, why, 0).items() if nodes else ()):
+                self.settle(node, where, why, placements)
         self.setup_record["start_nodes"] = len(self.membership.places)
+
+    def defer(self, nodes: Iterable[int]) -> None:
+        """Leave `nodes` (connected at the start, their stage-1 reply missing or rejected: lost on
+        the way, or a node that came up slowly) without a place for now: right after `setup`,
+        stage 1 asks them once more, as it asks a node that joins (`place` with ASKED_AGAIN);
+        only a second failure places them without stage-1 information."""
+        self._deferred.update(int(node) for node in nodes)
 
     def settle(self, node: int, where: Any, why: str, placements: list[dict[str, Any]] | None = None) -> None:
         """Record `node`'s place; a placement for a reason other than START is also appended to

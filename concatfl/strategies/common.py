@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Any
@@ -27,6 +27,7 @@ ARRAYS_KEY = "arrays"
 CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
 NUM_EXAMPLES_KEY = "num-examples"
+PULL_INTERVAL = 0.1  # seconds between two pulls of `relay_in_batches` (StableNodeGrid's default too)
 
 
 @dataclass
@@ -97,6 +98,11 @@ class Reply:
             self.decoded[key] = to_numpy(self.content.array_records[key])
         return self.decoded[key]
 
+    def drop_arrays(self) -> None:
+        """Let go of the reply's arrays, keeping its metrics (a caller took what it needed)."""
+        self.content = RecordDict(dict(self.content.metric_records))
+        self.decoded = {}
+
 
 @dataclass
 class Miss:
@@ -129,6 +135,14 @@ class HopResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
+
+    def add(self, part: HopResult) -> None:
+        """Take in a part of the same hop (`relay_in_batches`)."""
+        self.replies.extend(part.replies)
+        self.misses.extend(part.misses)
+        self.bytes_sent += part.bytes_sent
+        self.bytes_received += part.bytes_received
+        self.seconds += part.seconds
 
     def as_record(self) -> dict[str, Any]:
         """JSON-ready summary of the hop for metrics.json."""
@@ -274,6 +288,37 @@ def relay(grid: Grid, requests: Sequence[Request], timeout: float | None) -> Hop
     hop = collect(requests, replies, messages)
     hop.bytes_sent, hop.seconds = bytes_sent, seconds
     return hop
+
+
+def relay_in_batches(grid: Grid, requests: Sequence[Request], timeout: float | None) -> Iterator[HopResult]:
+    """`relay` for a hop whose replies are too many to hold at once (a stage 1 that hears from
+    every node): the same messages, validation and misses, but the replies of each pull come as
+    a part of the hop as soon as they arrive, in the order of their requests, and a last part
+    holds the misses of the requests that got no reply in time, the bytes sent and the hop's
+    seconds. A caller that keeps only what it needs of each part holds one pull's replies at a
+    time; `HopResult.add` puts the parts together."""
+    if not requests:
+        return
+    messages = to_messages(requests)
+    bytes_sent = sum(message_bytes(message) for message in messages)
+    started = time.perf_counter()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    sent = {mid: (i, message) for i, (message, mid) in enumerate(zip(messages, grid.push_messages(messages))) if mid}
+    pending = set(sent)
+    while pending:
+        past_deadline = deadline is not None and time.monotonic() >= deadline
+        pulled = sorted(grid.pull_messages(list(pending)), key=lambda reply: sent.get(reply.metadata.reply_to_message_id, (-1,))[0])
+        answered = sorted({sent[mid][0] for reply in pulled if (mid := reply.metadata.reply_to_message_id) in pending})
+        pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
+        if pulled:
+            yield collect([requests[i] for i in answered], pulled, [messages[i] for i in answered])
+        if not pending or past_deadline:
+            break
+        time.sleep(PULL_INTERVAL)
+    unanswered = sorted({sent[mid][0] for mid in pending} | (set(range(len(requests))) - {i for i, _ in sent.values()}))
+    last = collect([requests[i] for i in unanswered], [])
+    last.bytes_sent, last.seconds = bytes_sent, time.perf_counter() - started
+    yield last
 
 
 def weighted_average(models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> ArrayRecord:

@@ -99,7 +99,7 @@ from .fedavg import sample_count
 from .feddyn import FedDynServer, from_config as feddyn_from_config
 from .fedconcat_stage1 import distribution_problem, label_requests, stage1_record
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
-from .membership import JOINED, NO_STAGE1_REPLY, RETURNED, START
+from .membership import RETURNED, START
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -277,9 +277,11 @@ class FedConcat(RelayStrategy):
     A reported label distribution must be `num_classes` finite numbers, non-negative and summing
     to 1 (with ε-DP noise: finite and within the noise's range, `distribution_problem`); any
     other is rejected, and a well-formed one that its node's own model contradicts is not
-    believed (`label_check`). A node that gives no usable distribution in stage 1 joins the
-    cluster its P^ID fits when it has one, else the cluster whose centre is nearest to the
-    average clustered distribution, so its data still trains an encoder and the head.
+    believed (`label_check`): it joins the cluster its P^ID fits. A node that gives no usable
+    distribution in stage 1 goes through stage 1 once more right after it, as a node that
+    joins; failing again, it joins the cluster its P^ID fits when it has one, else the cluster
+    whose centre is nearest to the average clustered distribution, so its data still trains an
+    encoder and the head.
 
     Nodes without a place (`RelayStrategy.place`, recorded under ``placements``): a node that
     connects during the encoder rounds goes through stage 1 alone (its query and, with
@@ -462,10 +464,10 @@ class FedConcat(RelayStrategy):
         for node, cluster in self.assignment.items():
             self.settle(node, {"cluster": cluster}, START)
             self._keep_profile(node, "inferred" if self.label_inference else "reported", reported, inferred)
-        for node in (node for node in nodes if node not in clustered):
+        for node in (node for node in agreements if node not in clustered):
             cluster, how = self._assign(node, reported, inferred)
-            why = LABELS_DISAGREE if node in agreements else NO_STAGE1_REPLY
-            self.settle(node, {"cluster": cluster, "by": how}, why, placements)
+            self.settle(node, {"cluster": cluster, "by": how}, LABELS_DISAGREE, placements)
+        self.defer(node for node in nodes if node not in clustered and node not in agreements)
         if placements:
             log(WARNING, "Stage 1: nodes placed without a trusted distribution (node: cluster, by) %s",
                 {entry["node"]: (entry["where"]["cluster"], entry["where"]["by"]) for entry in placements})
@@ -535,30 +537,36 @@ class FedConcat(RelayStrategy):
         returned model (bounded first, as every reply is).
 
         Every model sees the same random inputs (one seed for the run), so differences in
-        P^ID come from the models alone, also between stage 1 and nodes placed later.
+        P^ID come from the models alone, also between stage 1 and nodes placed later. Each model
+        is read as it arrives and let go (`RelayStrategy.hop`'s `digest`): 10,000 clients'
+        models at once would not fit in memory.
         """
         assert self.make_model is not None and self.input_shape is not None and self._initial is not None
         settings = {**dict(self._train_config), "server-round": 0}
         if self.feddyn is not None:
             settings["local-objective"] = "sgd"
+        distributions = {}
+
+        def digest(replies: list[Reply]) -> None:
+            for reply in self.guard.bound(sorted(replies, key=lambda reply: reply.node_id), stream="label-inference"):
+                model = self.make_model()
+                model.load_state_dict(reply.arrays.to_torch_state_dict())
+                distributions[reply.node_id] = infer_label_distribution(
+                    model,
+                    self.id_samples,
+                    self.input_shape,
+                    self.normalization,
+                    torch.Generator().manual_seed(self.seed),
+                    self.device,
+                )
+
         hop = self.hop(
             grid,
             [Request(node, train_content(self._initial, settings), tag="label-inference") for node in nodes],
             placing=placing,
+            digest=digest,
         )
-        distributions = {}
-        for reply in self.guard.bound(hop.replies, stream="label-inference"):
-            model = self.make_model()
-            model.load_state_dict(reply.arrays.to_torch_state_dict())
-            distributions[reply.node_id] = infer_label_distribution(
-                model,
-                self.id_samples,
-                self.input_shape,
-                self.normalization,
-                torch.Generator().manual_seed(self.seed),
-                self.device,
-            )
-        return hop, distributions
+        return hop, dict(sorted(distributions.items()))
 
     def _inferred_profiles(self, inferred: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         """Per cluster, the mean centred P^ID of its (trusted) members that have one."""

@@ -45,7 +45,7 @@ from .common import (
 from .fedavg import sample_count
 from .feddyn import FedDynServer, from_config as feddyn_from_config
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
-from .membership import JOINED, NO_STAGE1_REPLY, RETURNED, START
+from .membership import RETURNED, START
 from .sequential import DEFAULT_HOP_CLIP, FEDSEQ_HOP_STEP, ChainGuard
 
 if TYPE_CHECKING:
@@ -55,6 +55,18 @@ if TYPE_CHECKING:
 APPROXIMATORS = ("conf", "clf")
 LABEL_COUNTS_KEY = "label-counts"
 LOCAL_EPOCHS_KEY = "local-epochs"
+
+
+@dataclass(frozen=True)
+class _Pretrained:
+    """What stage 1 keeps of a node's pre-trained model (the model itself is let go): its
+    bounded sample count, its description (`FedSeq._describe`) and the epochs it says it
+    trained (None: not said)."""
+
+    node: int
+    samples: int
+    row: np.ndarray
+    epochs: float | None
 
 
 @dataclass
@@ -89,9 +101,11 @@ class FedSeq(RelayStrategy):
     fits (`core.superclients.fitting_superclient`: among those with fewer than `max_clients`
     members, the one whose estimated distribution lacks its classes most; with
     `approximator='clf'`, whose PCA was fitted on stage 1's clients, the one with the fewest
-    samples). A node whose pre-training reply is missing or rejected (in stage 1 or when it
-    joins) has no approximation and joins the superclient with the fewest samples, its size
-    counted as the median client's, so its data still trains the model. When every superclient
+    samples). A node whose stage-1 pre-training reply is missing or rejected is asked once
+    more right after stage 1, as a node that joins. A node whose pre-training reply is missing
+    or rejected again (or when it joins) has no approximation and joins the superclient with
+    the fewest samples, its size counted as the median client's, so its data still trains the
+    model. When every superclient
     is full, a newcomer starts a superclient of its own. The superclients formed in stage 1 are
     not regrouped: their chains keep their order of diversity.
 
@@ -276,12 +290,12 @@ class FedSeq(RelayStrategy):
         """Pre-train on every connected client, approximate ψ, group, and report."""
         nodes = live_node_ids(grid)
         self._initial, self._train_config = initial_arrays, train_config
-        pretraining, replies = self._pretrain(grid, nodes, placing=False)
-        if not replies:
+        pretraining, pretrained = self._pretrain(grid, nodes, placing=False)
+        if not pretrained:
             raise RuntimeError(f"FedSeq pre-training: none of the {len(nodes)} nodes returned a usable model")
-        node_ids = [reply.node_id for reply in replies]
-        sizes = [reply.num_examples for reply in replies]
-        vectors, approximation = self._approximate([reply.arrays for reply in replies])
+        node_ids = [entry.node for entry in pretrained]
+        sizes = [entry.samples for entry in pretrained]
+        vectors, approximation = self._approximate([entry.row for entry in pretrained])
         groups = sc.group_clients(
             self.grouping,
             vectors,
@@ -293,7 +307,7 @@ class FedSeq(RelayStrategy):
             rng=self.rng,
             merge=self.greedy_merge,
         )
-        reported_epochs, differing_epochs = self._reported_pretrain_epochs(replies)
+        reported_epochs, differing_epochs = self._reported_pretrain_epochs(pretrained)
         self.client_samples = dict(zip(node_ids, sizes))
         self.plan = {sid: [node_ids[c] for c in group] for sid, group in enumerate(groups)}
         placements: list[dict[str, Any]] = []
@@ -303,8 +317,7 @@ class FedSeq(RelayStrategy):
             for c in group:
                 self.settle(node_ids[c], {"superclient": sid}, START)
         left_out = sorted(miss.request.node_id for miss in pretraining.misses)
-        for node, where in self._place_unapproximated(left_out).items():
-            self.settle(node, where, NO_STAGE1_REPLY, placements)
+        self.defer(left_out)
         self.superclients = {sid: list(members) for sid, members in self.plan.items()}
         hops = [pretraining]
         report = self._grouping_report(groups, node_ids, sizes, vectors)
@@ -336,26 +349,27 @@ class FedSeq(RelayStrategy):
 
     # ------------------------------------------------------------------ membership
     def place(self, grid: Grid, nodes: list[int], why: str, server_round: int) -> dict[int, Any]:
-        """A returning node keeps its superclient; a newcomer pre-trains the initial model and
-        joins the superclient its approximation fits; one without a usable pre-training reply
-        joins the superclient with the fewest samples (see the class docstring)."""
+        """A returning node keeps its superclient; a newcomer (or a node asked again after stage
+        1) pre-trains the initial model and joins the superclient its approximation fits; one
+        without a usable pre-training reply joins the superclient with the fewest samples (see
+        the class docstring)."""
         if why == RETURNED:
             return {node: self.membership.places[node] for node in nodes}
-        if why != JOINED:
-            return self._place_unapproximated(nodes)
-        hop, replies = self._pretrain(grid, nodes, placing=True)
+        hop, pretrained = self._pretrain(grid, nodes, placing=True)
         placed: dict[int, Any] = {}
-        if replies:
-            vectors = self._approximate([reply.arrays for reply in replies])[0] if self.approximator == "conf" else None
-            for index, reply in enumerate(replies):
+        if pretrained:
+            vectors = self._approximate([entry.row for entry in pretrained])[0] if self.approximator == "conf" else None
+            for index, entry in enumerate(pretrained):
                 vector = None if vectors is None else vectors[index]
-                placed[reply.node_id] = self._join(reply.node_id, reply.num_examples, vector)
+                placed[entry.node] = self._join(entry.node, entry.samples, vector)
         placed.update(self._place_unapproximated(sorted(miss.request.node_id for miss in hop.misses)))
         return placed
 
-    def _pretrain(self, grid: Grid, nodes: list[int], placing: bool) -> tuple[HopResult, list[Reply]]:
-        """Stage 1's pre-training of `nodes` from the initial model: the hop and its bounded
-        replies in node order (the sample counts are bounded too: they weigh the superclients)."""
+    def _pretrain(self, grid: Grid, nodes: list[int], placing: bool) -> tuple[HopResult, list[_Pretrained]]:
+        """Stage 1's pre-training of `nodes` from the initial model: the hop, and what is kept
+        of each bounded reply in node order (the sample counts are bounded too: they weigh the
+        superclients). Each model is described as it arrives and let go (`RelayStrategy.hop`'s
+        `digest`): 10,000 clients' models at once would not fit in memory."""
         assert self._initial is not None
         settings = {
             **dict(self._train_config),
@@ -365,8 +379,16 @@ class FedSeq(RelayStrategy):
             "local-objective": "sgd",
         }
         requests = [Request(node, train_content(self._initial, settings), tag="pretrain") for node in nodes]
-        hop = self.hop(grid, requests, placing=placing)
-        return hop, sorted(self.guard.bound(hop.replies, stream="pretrain"), key=lambda reply: reply.node_id)
+        kept: list[_Pretrained] = []
+
+        def digest(replies: list[Reply]) -> None:
+            for reply in self.guard.bound(sorted(replies, key=lambda reply: reply.node_id), stream="pretrain"):
+                epochs = reply.metrics.get(LOCAL_EPOCHS_KEY)
+                said = isinstance(epochs, (int, float)) and not isinstance(epochs, bool)
+                kept.append(_Pretrained(reply.node_id, reply.num_examples, self._describe(reply.arrays), epochs if said else None))
+
+        hop = self.hop(grid, requests, placing=placing, digest=digest)
+        return hop, sorted(kept, key=lambda entry: entry.node)
 
     def _join(self, node: int, samples: int, vector: np.ndarray | None) -> dict[str, int]:
         """Add `node` (with `samples` samples and approximation `vector`, or None) to the
@@ -399,15 +421,11 @@ class FedSeq(RelayStrategy):
                 {node: where["superclient"] for node, where in placed.items()})
         return placed
 
-    def _reported_pretrain_epochs(self, replies: list[Reply]) -> tuple[dict[int, float], list[int]]:
+    def _reported_pretrain_epochs(self, pretrained: list[_Pretrained]) -> tuple[dict[int, float], list[int]]:
         """Node -> the epochs it says it pre-trained (``metrics["local-epochs"]``, optional), and
         the nodes whose count differs from `pretrain_epochs` (warned about: their ClientApp reads
         its epoch count from somewhere other than ``config["local-epochs"]``)."""
-        reported: dict[int, float] = {}
-        for reply in replies:
-            value = reply.metrics.get(LOCAL_EPOCHS_KEY)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                reported[reply.node_id] = value
+        reported = {entry.node: entry.epochs for entry in pretrained if entry.epochs is not None}
         if differing := sorted(node for node, epochs in reported.items() if epochs != self.pretrain_epochs):
             log(
                 WARNING,
@@ -417,26 +435,30 @@ class FedSeq(RelayStrategy):
             )
         return reported, differing
 
-    def _approximate(self, models: list[ArrayRecord]) -> tuple[np.ndarray, dict[str, Any]]:
-        """ψ of every returned model (rows in the order given) and what to report about it."""
-        # A throw-away module to load each client's weights into; fork the RNG so building it
-        # leaves the server's torch random state as it was.
-        with torch.random.fork_rng(devices=[]):
-            module = self._make_model()
+    def _describe(self, arrays: ArrayRecord) -> np.ndarray:
+        """What ψ needs of one pre-trained model: its confidence vector (`conf`), or its
+        classifier layers' weights (`clf`, reduced with the others' by `_approximate`)."""
+        module = self._scratch_module()
         if self.approximator == "conf":
             assert self._pool is not None
             x, y = self._pool[0][self._exemplars], self._pool[1][self._exemplars]
-            vectors = []
-            for arrays in models:
-                module.load_state_dict(arrays.to_torch_state_dict())
-                confidences = sc.class_confidences(module, x, y, self.num_classes, self._normalization, self._device)
-                vectors.append(sc.confidence_vector(confidences, self.conf_normalize))
-            return np.stack(vectors), {"exemplars": len(self._exemplars)}
-        layers = sc.select_fc_layers(fc_layer_names(module), self.clf_layers)
-        weights = np.stack(
-            [sc.classifier_vector(to_numpy(arrays), layers) for arrays in models]
-        )
-        reduced, explained = sc.reduce_pca(weights, seed=int(self.rng.integers(2**31)))
+            module.load_state_dict(arrays.to_torch_state_dict())
+            confidences = sc.class_confidences(module, x, y, self.num_classes, self._normalization, self._device)
+            return sc.confidence_vector(confidences, self.conf_normalize)
+        return sc.classifier_vector(to_numpy(arrays), sc.select_fc_layers(fc_layer_names(module), self.clf_layers))
+
+    def _scratch_module(self) -> nn.Module:
+        """A module to load clients' weights into (built once; `reusable_module` leaves the
+        server's torch random state as it was)."""
+        return self.reusable_module("pretrained", self._make_model, self._make_model)
+
+    def _approximate(self, rows: list[np.ndarray]) -> tuple[np.ndarray, dict[str, Any]]:
+        """ψ of every pre-trained model from its description (`_describe`; rows in the order
+        given) and what to report about it."""
+        if self.approximator == "conf":
+            return np.stack(rows), {"exemplars": len(self._exemplars)}
+        layers = sc.select_fc_layers(fc_layer_names(self._scratch_module()), self.clf_layers)
+        reduced, explained = sc.reduce_pca(np.stack(rows), seed=int(self.rng.integers(2**31)))
         return reduced, {
             "clf_layers": layers,
             "pca_components": int(reduced.shape[1]),

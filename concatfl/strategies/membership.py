@@ -6,7 +6,8 @@ its nodes (FedSeq's superclients, FedConcat's clusters, FedCat's groups) must gi
 a place, or the node's data never trains the model. `Membership` remembers where every node was
 placed and which placed nodes were connected at the last look; `RelayStrategy` looks at the
 start of every round and asks the strategy (`RelayStrategy.place`) where each node without a
-place goes, for one of the reasons below, and records every placement the same way for every
+place goes, for one of the reasons below (a node whose stage-1 reply was missing or rejected goes
+through stage 1 once more, as a node that joins does, before the first round), and records every placement the same way for every
 strategy: ``{"node", "where", "why"}`` under ``placements`` in the round's record (stage 1's in
 the setup record), the round's ``membership`` counts (connected, trained, joined, returned,
 left), and one log line when nodes join, come back or leave.
@@ -22,7 +23,7 @@ from typing import Any
 START = "connected at the start"  # placed by the strategy's stage 1 (or the run's first round)
 JOINED = "joined after the start"  # connected for the first time after the run started
 RETURNED = "came back"  # placed before, not connected at the last look, connected again
-NO_STAGE1_REPLY = "no usable stage-1 reply"  # connected at the start, its stage-1 reply missing or rejected
+ASKED_AGAIN = "no usable stage-1 reply, asked again"  # connected at the start, its stage-1 reply missing or rejected
 
 
 @dataclass(frozen=True)
