@@ -378,7 +378,7 @@ def test_fraction_train_samples_superclients_and_proximal_mu_reaches_every_clien
 
 
 @pytest.mark.parametrize("mode", ["silent", "nan", "shape"])
-def test_a_failing_middle_client_is_skipped_without_losing_the_model(mode):
+def test_a_failing_middle_client_is_skipped_without_losing_the_model_and_one_that_answered_gets_a_last_turn(mode):
     clients = clients_for(8)
     grid = FakeGrid(clients)
     fedseq = strategy()
@@ -392,17 +392,21 @@ def test_a_failing_middle_client_is_skipped_without_losing_the_model(mode):
     record = fedseq.history[0]
     entry = next(e for e in record["superclients"] if e["id"] == 0)
     failing = entry["order"][1]
-    assert entry["missed"] == [failing] and entry["trained_hops"] == 3
     misses = [m for hop in record["hops"] for m in hop["misses"]]
     assert [m["node"] for m in misses] == [failing]
     # The next client got exactly the model the failing one was given.
     assert same(clients[entry["order"][2]].received[0][1], clients[failing].received[0][1])
-    ends = [walk_chain(e["order"], models[0], clients, 1, Counter()) for e in record["superclients"]]
+    # A reply that came but was rejected: the client gets one more turn after the chain's last
+    # (which it uses); a silent one does not (a second wait for a node that is gone).
+    answered = mode != "silent"
+    assert entry["missed"] == [failing] and entry["retried"] == ([failing] if answered else [])
+    assert entry["trained_hops"] == (4 if answered else 3) and len(record["hops"]) == (5 if answered else 4)
+    ends = [walk_chain(e["order"] + e["retried"], models[0], clients, 1, Counter()) for e in record["superclients"]]
     assert close(models[1], expected_average(ends, [e["samples"] for e in record["superclients"]]))
     assert all(np.isfinite(v).all() for v in models[1].values())
 
 
-def test_a_reversed_hop_is_rejected_by_the_history_check_and_skipped_like_a_lost_one():
+def test_a_reversed_hop_is_rejected_by_the_history_check_and_skipped_then_retried_like_a_rejected_one():
     clients = clients_for(8)
     grid = FakeGrid(clients)
     fedseq = strategy(update_clip=100.0)  # the bounds on (so is the history check), too wide to clip a hop
@@ -416,14 +420,14 @@ def test_a_reversed_hop_is_rejected_by_the_history_check_and_skipped_like_a_lost
     record = fedseq.history[1]
     entry = next(e for e in record["superclients"] if e["id"] == 0)
     failing = entry["order"][1]
-    assert entry["missed"] == [failing] and entry["trained_hops"] == 3
+    assert entry["missed"] == [failing] and entry["retried"] == [failing] and entry["trained_hops"] == 4
     (miss,) = [m for hop in record["hops"] for m in hop["misses"]]
     assert miss["node"] == failing and "update reversed against its node's own earlier ones" in miss["reason"]
     assert "cosine -1.00 with its last update taken" in miss["reason"]
     # The next client got exactly the model the reversed one was given, and the round's model is
-    # the average of the chains without that hop.
+    # the average of the chains without that hop, the reversed client's last turn (honest) at the end.
     assert same(clients[entry["order"][2]].received[1][1], clients[failing].received[1][1])
-    ends = [walk_chain(e["order"], models[1], clients, 2, Counter()) for e in record["superclients"]]
+    ends = [walk_chain(e["order"] + e["retried"], models[1], clients, 2, Counter()) for e in record["superclients"]]
     assert close(models[2], expected_average(ends, [e["samples"] for e in record["superclients"]]))
     assert fedseq.history[0]["hops"] and not [m for hop in fedseq.history[0]["hops"] for m in hop["misses"]]
 

@@ -27,6 +27,7 @@ ARRAYS_KEY = "arrays"
 CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
 NUM_EXAMPLES_KEY = "num-examples"
+NO_REPLY = "no reply before the round timeout"  # a Miss's reason when nothing came
 PULL_INTERVAL = 0.1  # seconds between two pulls of `relay_in_batches` (StableNodeGrid's default too)
 
 
@@ -114,6 +115,11 @@ class Miss:
     def as_record(self) -> dict[str, Any]:
         """JSON-ready description for metrics.json."""
         return {"node": self.request.node_id, "tag": jsonable(self.request.tag), "reason": self.reason}
+
+    @property
+    def answered(self) -> bool:
+        """Whether a reply came (an error, or one that was rejected), as opposed to none in time."""
+        return self.reason != NO_REPLY
 
     @property
     def short_reason(self) -> str:
@@ -264,7 +270,7 @@ def collect(
         hop.replies.append(Reply(request, reply.content, num_examples, decoded={ARRAYS_KEY: decoded} if decoded else {}))
     for node_id, request in by_node.items():
         if node_id not in answered:
-            hop.misses.append(Miss(request, "no reply before the round timeout"))
+            hop.misses.append(Miss(request, NO_REPLY))
     for miss in hop.misses:
         log(WARNING, "Node %s (%s) left out: %s", miss.request.node_id, miss.request.tag, miss.short_reason)
     return hop

@@ -74,13 +74,22 @@ class _Chain:
     """One selected superclient during a round: where its model is and what happened to it."""
 
     superclient: int
-    order: list[int]  # node ids, one pass repeated E_S times
+    order: list[int]  # node ids, one pass repeated E_S times, then the clients retried
     model: ArrayRecord
     weight: int  # |D_S|
     slot: int | None = None
     trained: int = 0
     examples: int = 0  # folded into `model` so far (the running mean's weight)
     missed: list[int] = field(default_factory=list)
+    retried: list[int] = field(default_factory=list)  # missed clients given a last turn (`aggregate_hop`)
+    planned: int = field(init=False)  # hops of the E_S passes
+
+    def __post_init__(self) -> None:
+        self.planned = len(self.order)
+
+    def chain_pass(self, hop: int, passes: int) -> int:
+        """Which of the `passes` passes hop `hop` belongs to (a retried client's turn: the last)."""
+        return min(hop * passes // self.planned, passes - 1)
 
 
 class FedSeq(RelayStrategy):
@@ -91,7 +100,10 @@ class FedSeq(RelayStrategy):
     whole chain `superclient_epochs` times. The new global model is the average of the
     superclient models weighted by their sample counts |D_S|. A client that misses its turn
     (no reply, error, invalid reply) is skipped: the model it was given goes on to the next
-    client. A node that left the grid is dropped from its superclient before the next round
+    client. One whose reply came but was not usable (an error, a rejected reply) gets one more
+    turn, after the last client of its chain in the same round, else its data would not train
+    this round; one that sent nothing in time does not (a second wait for a node that is gone
+    would make the round twice as long). A node that left the grid is dropped from its superclient before the next round
     (a superclient left empty disappears) and rejoins it in the first round it is connected
     again.
 
@@ -534,7 +546,7 @@ class FedSeq(RelayStrategy):
         return [
             Request(
                 chain.order[hop],
-                train_content(chain.model, {**settings, "chain-pass": hop * self.superclient_epochs // len(chain.order)}),
+                train_content(chain.model, {**settings, "chain-pass": chain.chain_pass(hop, self.superclient_epochs)}),
                 tag=chain.superclient,
             )
             for chain in self._chains
@@ -561,7 +573,11 @@ class FedSeq(RelayStrategy):
             self._round_metrics.append(RecordDict({METRICS_KEY: reply.metrics}))
         for miss in hop.misses:
             # The chain keeps the model the missing client was given: the next client gets it.
-            chains[miss.request.tag].missed.append(miss.request.node_id)
+            chain, node = chains[miss.request.tag], miss.request.node_id
+            chain.missed.append(node)
+            if miss.answered and node not in chain.retried:
+                chain.retried.append(node)
+                chain.order.append(node)
         self._hops_done += 1
         if any(self._hops_done < len(chain.order) for chain in self._chains):
             return None, None
@@ -570,11 +586,12 @@ class FedSeq(RelayStrategy):
             [
                 {
                     "id": chain.superclient,
-                    "order": chain.order[: len(chain.order) // self.superclient_epochs],
+                    "order": chain.order[: chain.planned // self.superclient_epochs],
                     "samples": chain.weight,
                     "slot": chain.slot,
                     "trained_hops": chain.trained,
                     "missed": chain.missed,
+                    "retried": chain.retried,
                 }
                 for chain in self._chains
             ],
