@@ -67,19 +67,26 @@ def test_a_flower_of_another_shape_runs_flowers_own_superexec_with_the_same_conn
     ])]
 
 
-def test_an_executor_started_with_sigint_ignored_still_exits_with_its_parent():
+def test_an_executor_started_with_sigint_ignored_still_exits_with_its_parent(tmp_path):
     # As from a shell's background job (`… &`, nohup): SIGINT ignored, inherited by every child.
     parent = subprocess.Popen(["sleep", "1"], preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    executor = subprocess.Popen(
-        [sys.executable, "-m", "concatfl.deployment.warm_executor", "--runtime-api-address", "127.0.0.1:1",
-         "--insecure", "--parent-pid", str(parent.pid)],
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    stderr = tmp_path / "executor.err"
+    with stderr.open("w") as err:
+        executor = subprocess.Popen(
+            [sys.executable, "-m", "concatfl.deployment.warm_executor", "--runtime-api-address", "127.0.0.1:1",
+             "--insecure", "--parent-pid", str(parent.pid)],
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     try:
         parent.wait()
-        executor.wait(timeout=60)  # it retries its connection to nothing until the parent is gone
+        try:
+            executor.wait(timeout=60)  # it retries its connection to nothing until the parent is gone
+        except subprocess.TimeoutExpired:
+            executor.send_signal(signal.SIGUSR1)  # its threads' stacks, for the failure message
+            time.sleep(2)
+            pytest.fail(f"the executor outlived its parent by 60 s; its stderr and stacks:\n{stderr.read_text()[-6000:]}")
     finally:
         kill_process_tree(executor)
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import gc
 import json
 import os
@@ -551,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     # exited then kept retrying their connection for ever. Take SIGINT back (an exec into
     # flower-superexec starts it with the default disposition too).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # SIGUSR1 writes every thread's Python stack to stderr: where a process that should have
+    # ended is waiting (`kill -USR1 PID`).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if not args.worker:
         from concatfl.deployment.compat import clientapp_steps_problem  # pylint: disable=import-outside-toplevel
 
