@@ -309,19 +309,20 @@ def relay_in_batches(grid: Grid, requests: Sequence[Request], timeout: float | N
     bytes_sent = sum(message_bytes(message) for message in messages)
     started = time.perf_counter()
     deadline = None if timeout is None else time.monotonic() + timeout
-    sent = {mid: (i, message) for i, (message, mid) in enumerate(zip(messages, grid.push_messages(messages))) if mid}
+    sent = {mid: i for i, mid in enumerate(grid.push_messages(messages)) if mid}  # message id -> request
     pending = set(sent)
+    position = lambda reply: sent.get(reply.metadata.reply_to_message_id, -1)  # noqa: E731
     while pending:
         past_deadline = deadline is not None and time.monotonic() >= deadline
-        pulled = sorted(grid.pull_messages(list(pending)), key=lambda reply: sent.get(reply.metadata.reply_to_message_id, (-1,))[0])
-        answered = sorted({sent[mid][0] for reply in pulled if (mid := reply.metadata.reply_to_message_id) in pending})
+        pulled = sorted(grid.pull_messages(list(pending)), key=position)
+        answered = sorted({sent[mid] for reply in pulled if (mid := reply.metadata.reply_to_message_id) in pending})
         pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
         if pulled:
             yield collect([requests[i] for i in answered], pulled, [messages[i] for i in answered])
         if not pending or past_deadline:
             break
         time.sleep(PULL_INTERVAL)
-    unanswered = sorted({sent[mid][0] for mid in pending} | (set(range(len(requests))) - {i for i, _ in sent.values()}))
+    unanswered = sorted({sent[mid] for mid in pending} | (set(range(len(requests))) - set(sent.values())))
     last = collect([requests[i] for i in unanswered], [])
     last.bytes_sent, last.seconds = bytes_sent, time.perf_counter() - started
     yield last

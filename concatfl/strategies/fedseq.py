@@ -103,9 +103,9 @@ class FedSeq(RelayStrategy):
     client. One whose reply came but was not usable (an error, a rejected reply) gets one more
     turn, after the last client of its chain in the same round, else its data would not train
     this round; one that sent nothing in time does not (a second wait for a node that is gone
-    would make the round twice as long). A node that left the grid is dropped from its superclient before the next round
-    (a superclient left empty disappears) and rejoins it in the first round it is connected
-    again.
+    would make the round twice as long). A node that left the grid is dropped from its
+    superclient before the next round (a superclient left empty disappears) and rejoins it in
+    the first round it is connected again.
 
     Nodes without a place (`RelayStrategy.place`, recorded under ``placements``): a node that
     connects after stage 1 pre-trains the initial model as stage 1 would have had it do, at the
@@ -397,7 +397,8 @@ class FedSeq(RelayStrategy):
             for reply in self.guard.bound(sorted(replies, key=lambda reply: reply.node_id), stream="pretrain"):
                 epochs = reply.metrics.get(LOCAL_EPOCHS_KEY)
                 said = isinstance(epochs, (int, float)) and not isinstance(epochs, bool)
-                kept.append(_Pretrained(reply.node_id, reply.num_examples, self._describe(reply.arrays), epochs if said else None))
+                row = self._describe(reply.arrays)
+                kept.append(_Pretrained(reply.node_id, reply.num_examples, row, epochs if said else None))
 
         hop = self.hop(grid, requests, placing=placing, digest=digest)
         return hop, sorted(kept, key=lambda entry: entry.node)
