@@ -548,7 +548,7 @@ class FedConcat(RelayStrategy):
         distributions = {}
 
         def digest(replies: list[Reply]) -> None:
-            for reply in self.guard.bound(sorted(replies, key=lambda reply: reply.node_id), stream="label-inference"):
+            for reply in self.guard.bound(replies, stream="label-inference"):
                 model = self.make_model()
                 model.load_state_dict(reply.arrays.to_torch_state_dict())
                 distributions[reply.node_id] = infer_label_distribution(

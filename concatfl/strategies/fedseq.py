@@ -394,7 +394,7 @@ class FedSeq(RelayStrategy):
         kept: list[_Pretrained] = []
 
         def digest(replies: list[Reply]) -> None:
-            for reply in self.guard.bound(sorted(replies, key=lambda reply: reply.node_id), stream="pretrain"):
+            for reply in self.guard.bound(replies, stream="pretrain"):
                 epochs = reply.metrics.get(LOCAL_EPOCHS_KEY)
                 said = isinstance(epochs, (int, float)) and not isinstance(epochs, bool)
                 row = self._describe(reply.arrays)
@@ -451,26 +451,30 @@ class FedSeq(RelayStrategy):
     def _describe(self, arrays: ArrayRecord) -> np.ndarray:
         """What ψ needs of one pre-trained model: its confidence vector (`conf`), or its
         classifier layers' weights (`clf`, reduced with the others' by `_approximate`)."""
-        module = self._scratch_module()
         if self.approximator == "conf":
             assert self._pool is not None
             x, y = self._pool[0][self._exemplars], self._pool[1][self._exemplars]
+            module = self._scratch_module()
             module.load_state_dict(arrays.to_torch_state_dict())
             confidences = sc.class_confidences(module, x, y, self.num_classes, self._normalization, self._device)
             return sc.confidence_vector(confidences, self.conf_normalize)
-        return sc.classifier_vector(to_numpy(arrays), sc.select_fc_layers(fc_layer_names(module), self.clf_layers))
+        return sc.classifier_vector(to_numpy(arrays), self._classifier_layers())
 
     def _scratch_module(self) -> nn.Module:
         """A module to load clients' weights into (built once; `reusable_module` leaves the
         server's torch random state as it was)."""
         return self.reusable_module("pretrained", self._make_model, self._make_model)
 
+    def _classifier_layers(self) -> list[str]:
+        """The fully connected layers the `clf` approximator reads (`clf_layers` of the model's)."""
+        return sc.select_fc_layers(fc_layer_names(self._scratch_module()), self.clf_layers)
+
     def _approximate(self, rows: list[np.ndarray]) -> tuple[np.ndarray, dict[str, Any]]:
         """ψ of every pre-trained model from its description (`_describe`; rows in the order
         given) and what to report about it."""
         if self.approximator == "conf":
             return np.stack(rows), {"exemplars": len(self._exemplars)}
-        layers = sc.select_fc_layers(fc_layer_names(self._scratch_module()), self.clf_layers)
+        layers = self._classifier_layers()
         reduced, explained = sc.reduce_pca(np.stack(rows), seed=int(self.rng.integers(2**31)))
         return reduced, {
             "clf_layers": layers,
