@@ -444,6 +444,22 @@ def test_a_superclient_without_any_successful_hop_contributes_nothing():
     assert close(models[1], only)
 
 
+def test_a_node_that_lets_its_hops_time_out_rests_while_its_superclient_trains_on():
+    clients = clients_for(8)
+    hung = 3
+    clients[hung].failure = lambda message: "silent"
+    fedseq = strategy()
+    run(fedseq, clients, 5)
+    # Silent in rounds 1 and 2: it rests in round 3; silent in 4: it rests in 5 (and 6).
+    assert [server_round for server_round, _ in clients[hung].received] == [1, 2, 4]
+    sid = next(sid for sid, members in fedseq.plan.items() if hung in members)
+    for record in fedseq.history:
+        entry = next(e for e in record["superclients"] if e["id"] == sid)
+        assert entry["trained_hops"] == 3  # its other members train every round
+        assert (hung in entry["order"]) == (record["round"] in (1, 2, 4))
+    assert [record["membership"].get("resting") for record in fedseq.history] == [None, None, [hung], None, [hung]]
+
+
 def test_vanished_nodes_are_dropped_and_rejoin_their_superclient_when_back():
     clients = clients_for(8)
     grid = FakeGrid(clients)

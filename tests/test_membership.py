@@ -8,7 +8,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from concatfl.core.fedcat import CountTable, select_replacement
 from concatfl.server_app import wait_for_start
 from concatfl.strategies import FedAvg, FedCat
-from concatfl.strategies.membership import JOINED, RETURNED, Membership
+from concatfl.strategies.membership import JOINED, RETURNED, Membership, rest_rounds
 from tests.fakes import BIG_IDS, FakeGrid, reply_with
 
 MODEL = ArrayRecord({"w": Array(np.zeros(3, dtype=np.float32))})
@@ -41,6 +41,79 @@ def test_membership_tells_new_returning_and_departed_nodes_apart():
     restored = Membership()
     restored.load_state_dict(members.state_dict())
     assert restored == members
+
+
+def test_rests_begin_at_the_second_silent_hop_in_a_row_and_double_up_to_eight_rounds():
+    assert [rest_rounds(silences) for silences in range(8)] == [0, 0, 1, 2, 4, 8, 8, 8]
+
+
+def test_a_node_rests_after_hops_it_lets_time_out_and_wakes_when_it_answers_or_comes_back():
+    node, other = BIG_IDS[1], BIG_IDS[2]
+    members = Membership()
+    assert members.note_hop(1, [other], [node]) == {node: 0} and members.resting(2) == set()
+    assert members.note_hop(2, [], [node]) == {node: 1}
+    assert members.resting(2) == members.resting(3) == {node} and members.resting(4) == set()
+    assert members.note_hop(4, [other], [node]) == {node: 2}
+    assert members.resting(6) == {node} and members.resting(7) == set()
+    restored = Membership()
+    restored.load_state_dict(members.state_dict())
+    assert restored == members
+    members.note_hop(7, [node], [])
+    assert members.silences == {} and members.resting(7) == set()
+    members.note_hop(8, [], [node])
+    members.note_hop(9, [], [node])
+    members.wake(node)  # it connected again
+    assert members.resting(10) == set() and members.note_hop(10, [], [node]) == {node: 0}
+    older = members.state_dict()  # a checkpoint written before nodes rested
+    del older["silences"], older["rest_until"]
+    restored.load_state_dict(older)
+    assert restored.silences == {} and restored.resting(10) == set()
+
+
+def silent_until(last_silent_round: int):
+    """A node that sends nothing to the train messages of rounds ≤ `last_silent_round` (it hangs)."""
+    train = trainer()
+
+    def handle(message: Message) -> Message | None:
+        server_round = int(message.content.config_records["config"]["server-round"])
+        return None if server_round <= last_silent_round else train(message)
+
+    return handle
+
+
+def test_fedavg_rests_a_node_that_lets_its_hops_time_out_and_takes_it_back_when_it_answers():
+    grid = FakeGrid({1: trainer(), 2: trainer(), 3: silent_until(6)})
+    strategy = FedAvg(seed=0, update_clip=0.0, weight_clip=0.0, round_timeout=0.05)
+    strategy.start(grid, MODEL, num_rounds=8, train_config=ConfigRecord())
+    asked = [3 in record["selected"] for record in strategy.history]
+    # Silent in rounds 1 and 2: rests in 3; silent in 4: rests in 5 and 6; answers in 7.
+    assert asked == [True, True, False, True, False, False, True, True]
+    assert [record["membership"].get("resting") for record in strategy.history] == [
+        None, None, [3], None, [3], [3], None, None
+    ]
+    assert [record["membership"]["trained"] for record in strategy.history] == [2, 2, 2, 2, 2, 2, 3, 3]
+    assert strategy.membership.silences == {}
+
+
+def test_a_round_never_rests_every_node():
+    grid = FakeGrid({1: silent_until(10)})
+    strategy = FedAvg(seed=0, update_clip=0.0, weight_clip=0.0, round_timeout=0.05)
+    strategy.start(grid, MODEL, num_rounds=3, train_config=ConfigRecord())
+    assert [record["selected"] for record in strategy.history] == [[1], [1], [1]]
+    assert strategy.membership.silences == {1: 3}
+
+
+def test_fedcat_selects_no_resting_device_neither_for_a_copy_nor_as_a_replacement():
+    nodes = {node: trainer() for node in (1, 2, 3, 4, 5)}
+    nodes[5] = silent_until(99)
+    strategy = FedCat(k=2, group_cycles=10, hop_step=1.0, hop_clip=0.0, update_clip=0.0, weight_clip=0.0, seed=0,
+                      round_timeout=0.05)
+    strategy.start(FakeGrid(nodes), MODEL, num_rounds=12, train_config=ConfigRecord())
+    rested = [record for record in strategy.history if record["membership"].get("resting") == [5]]
+    assert rested
+    for record in rested:
+        assert 5 not in record["selected"]
+        assert 5 not in [entry["replacement"] for entry in record.get("replacements", [])]
 
 
 def test_fedavg_trains_a_node_from_the_round_it_joins_and_records_who_came_and_went():

@@ -128,6 +128,7 @@ class RelayStrategy(Strategy):
         self._deferred: set[int] = set()  # nodes stage 1 asks again (`defer`)
         self._train_config = ConfigRecord()  # the run's training config (placing nodes may train them)
         self.last_round: int | None = None  # the run's last round, once `start()` knows it
+        self._round = 0  # the round being run (0: setup)
 
     # ------------------------------------------------------------------ subclass hooks
     def setup(self, grid: Grid, initial_arrays: ArrayRecord, train_config: ConfigRecord) -> None:
@@ -242,12 +243,29 @@ class RelayStrategy(Strategy):
         )
         for part in parts:
             self.guard.note_rejected(part.misses)
+            self._note_silences(part)
             hop.add(part)
             if digest is not None and part.replies:
                 digest(list(part.replies))
                 for reply in part.replies:
                     reply.drop_arrays()
         return hop
+
+    def _note_silences(self, part: HopResult) -> None:
+        """Rest the nodes that let this hop time out, wake those that answered (`membership`)."""
+        answered = [reply.node_id for reply in part.replies] + [m.request.node_id for m in part.misses if m.answered]
+        silent = [miss.request.node_id for miss in part.misses if not miss.answered]
+        for node, rounds in self.membership.note_hop(self._round, answered, silent).items():
+            if rounds:
+                log(WARNING, "Node %s let %d hops in a row time out (%s s each): it sits out the next %d round(s)",
+                    node, self.membership.silences[node], self.round_timeout, rounds)
+
+    def awake(self, nodes: Iterable[int]) -> list[int]:
+        """`nodes` without those that rest after letting hops time out (`membership.rest_rounds`);
+        all of `nodes` when every one of them rests (a round is never emptied by rests)."""
+        nodes = list(nodes)
+        resting = self.membership.resting(self._round)
+        return [node for node in nodes if node not in resting] or nodes
 
     def reject(self, hop: HopResult, reply: Reply, problem: str) -> None:
         """Move a reply that failed a strategy's own check (SCAFFOLD's control variate,
@@ -309,8 +327,8 @@ class RelayStrategy(Strategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Ask a `fraction_evaluate` sample of nodes to evaluate the global model."""
-        nodes = live_node_ids(grid)
+        """Ask a `fraction_evaluate` sample of the awake nodes to evaluate the global model."""
+        nodes = self.awake(live_node_ids(grid))
         count = int(round(self.fraction_evaluate * len(nodes)))
         if count == 0:
             return []
@@ -495,14 +513,19 @@ class RelayStrategy(Strategy):
 
     def _admit(self, grid: Grid, server_round: int) -> None:
         """The start of a round: place the nodes that joined or came back, and note who left."""
+        self._round = server_round
         live = live_node_ids(grid)
         changes = self.membership.look(live)
+        for node in changes.returned:
+            self.membership.wake(node)
         placements: list[dict[str, Any]] = []
         for nodes, why in ((changes.new, JOINED), (changes.returned, RETURNED)):
             if nodes:
                 for node, where in self.place(grid, nodes, why, server_round).items():
                     self.settle(node, where, why, placements)
         self._membership_record = {"connected": len(live)}
+        if resting := sorted(self.membership.resting(server_round) & set(live)):
+            self._membership_record["resting"] = resting
         for key, nodes in (("joined", changes.new), ("returned", changes.returned), ("left", changes.left)):
             if nodes:
                 self._membership_record[key] = nodes

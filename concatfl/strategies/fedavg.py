@@ -101,13 +101,14 @@ class FedAvg(RelayStrategy):
         """Hop 0: the global model to a fresh random sample of nodes."""
         if hop > 0:
             return []
-        nodes = live_node_ids(grid)
+        live = live_node_ids(grid)
+        nodes = self.awake(live)
         count = sample_count(self.fraction_train, len(nodes), self.min_train_nodes)
         chosen = sample_nodes(self.rng, nodes, count)
         settings: dict[str, Any] = {**dict(config), "server-round": server_round, "proximal-mu": self.proximal_mu}
         if self.feddyn is not None:
             settings.update(self.feddyn.settings())
-        self._sent, self._num_nodes = arrays, len(nodes)
+        self._sent, self._num_nodes = arrays, len(live)
         self.record("selected", sorted(chosen))
         return [Request(node, train_content(arrays, settings)) for node in chosen]
 

@@ -229,9 +229,11 @@ class FedCat(RelayStrategy):
         offset = cycle_offset(self._round_index, k)
         if self.selection == "grouped-count":
             self._update_groups(nodes, k)
-            self._selected = select_grouped(self._groups, self._counts, offset, self.epsilon, self.rng)
+            awake_groups = [self.awake(group) for group in self._groups]
+            self._selected = select_grouped(awake_groups, self._counts, offset, self.epsilon, self.rng)
         else:
-            self._selected = select_random(nodes, k, self.rng)
+            awake = self.awake(nodes)
+            self._selected = select_random(awake if len(awake) >= k else nodes, k, self.rng)
         if offset == 0 or not self.concat:
             self._copies = [global_arrays] * k
             self._data_sizes = np.zeros(k, dtype=np.int64)
@@ -258,7 +260,7 @@ class FedCat(RelayStrategy):
                 pool = self._groups[(offset + copy_index) % k]
             else:
                 pool = sorted(self._live)
-            candidates = [node for node in pool if node in self._live and node not in taken]
+            candidates = self.awake(node for node in pool if node in self._live and node not in taken)
             node = select_replacement(candidates, self._counts, offset, self.epsilon, self.rng)
             record.append({"copy": copy_index, "lost": lost, "replacement": node})
             if node is not None:

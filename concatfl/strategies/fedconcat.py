@@ -659,7 +659,7 @@ class FedConcat(RelayStrategy):
             settings.update(self.feddyn.settings())
         requests, selected = [], {}
         for cluster, model in enumerate(self.cluster_models):
-            members = [node for node in self.members(cluster) if node in live]
+            members = self.awake(node for node in self.members(cluster) if node in live)
             if not members:
                 continue
             chosen = self._sample(members)
@@ -683,7 +683,7 @@ class FedConcat(RelayStrategy):
             self._concatenate()
         assert self.classifier is not None
         live = set(live_node_ids(grid))
-        chosen = self._sample([node for node in sorted(self.assignment.keys() | self.head_nodes) if node in live])
+        chosen = self._sample(self.awake(node for node in sorted(self.assignment.keys() | self.head_nodes) if node in live))
         self._classifier_round = _ClassifierRound(chosen, self.classifier)
         self.record("stage_round", server_round - self.encoder_rounds)
         self.record("selected", chosen)

@@ -606,7 +606,7 @@ class FedSeq(RelayStrategy):
 
     def _start_round(self, arrays: ArrayRecord, grid: Grid) -> None:
         """Drop vanished nodes, select superclients, give each a start model and a shuffled chain."""
-        self._follow_live_nodes(set(live_node_ids(grid)))
+        self._follow_live_nodes(set(self.awake(live_node_ids(grid))))
         self._chains, self._hops_done, self._round_metrics = [], 0, []
         self._round_start = arrays
         ids = sorted(self.superclients)
@@ -657,11 +657,12 @@ class FedSeq(RelayStrategy):
         return corrected
 
     def _follow_live_nodes(self, live: set[int]) -> None:
-        """This round's superclients: the plan's connected members. A node that left is dropped
-        from its superclient (an emptied superclient disappears) and rejoins it when it is back."""
+        """This round's superclients: the plan's members in `live` (connected, not resting). A node
+        that left or rests is dropped from its superclient for the round (an emptied superclient
+        sits the round out) and is back in it when it is back."""
         current = {sid: [node for node in members if node in live] for sid, members in self.plan.items()}
         if emptied := [sid for sid in sorted(self.plan) if self.superclients.get(sid) and not current[sid]]:
-            log(WARNING, "FedSeq: superclients %s have no connected member left; they sit out until one is back", emptied)
+            log(WARNING, "FedSeq: superclients %s have no connected, awake member; they sit out until one is back", emptied)
         self.superclients = {sid: members for sid, members in current.items() if members}
 
     # ------------------------------------------------------------------ state

@@ -149,9 +149,10 @@ class Scaffold(RelayStrategy):
             return []
         if self.control is None:
             self.control = _zeros(arrays, self.control_keys)
-        nodes = live_node_ids(grid)
+        live = live_node_ids(grid)
+        nodes = self.awake(live)
         chosen = sample_nodes(self.rng, nodes, sample_count(self.fraction_train, len(nodes), self.min_train_nodes))
-        self._sent, self._num_nodes = arrays, len(nodes)
+        self._sent, self._num_nodes = arrays, len(live)
         self.record("selected", sorted(chosen))
         settings: dict[str, Any] = {
             **dict(config),
