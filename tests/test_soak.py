@@ -85,7 +85,7 @@ def test_the_paired_measure_gives_each_condition_its_faults_and_the_cost_against
 
     runs = [
         run("clean", 0.90), run("clean", 0.92),
-        run("faults", 0.88, replies_rejected=3, replies_missing=4, never_trained=[7], joined=[8, 9],
+        run("faults", 0.88, replies_rejected=3, replies_missing=4, never_trained=[7], joined=[8, 9], rested=3, wall_seconds=600,
             superlink_restart={"round_redone": 3}, faults={"supernode-killed": 5}),
         run("faults", 0.86, replies_rejected=1, faults={"supernode-killed": 2}),
         run("late", 0.91, joined=[5, 6, 7, 8, 9]), {"condition": "late", "completed": False, "faults": {}},
@@ -95,10 +95,12 @@ def test_the_paired_measure_gives_each_condition_its_faults_and_the_cost_against
     assert summary["faults"]["cost_points"] == 4.0 and summary["late"]["cost_points"] == 0.0
     assert summary["faults"]["replies_rejected"] == 4 and summary["faults"]["kills"] == 7
     assert summary["faults"]["rounds_redone"] == 1 and summary["faults"]["never_trained"] == [1, 0]
+    assert summary["faults"]["rested"] == 3 and summary["faults"]["minutes"] == [10.0, 0.0]
     assert summary["late"]["completed"] == 1 and summary["late"]["runs"] == 2 and summary["late"]["joined_late"] == [5, 0]
     table = render_paired({"settings": {"nodes": 10, "rounds": 30, "seeds": [0, 1]}, "wall_seconds": 1.0, "machine": "m",
                            "load_average": {"start": 0, "end": 0}, "strategies": {"fedseq": summary}})
     assert "| fedseq | 0.910 ± 0.014 (2/2) | 0.870 ± 0.014 (2/2) | 4.0 | 0.910 ± 0.000 (1/2) | 0.0 |" in table
+    assert "| fedseq, faults | 7 | 1 | [1, 0] | [2, 0] | 4 | 0 | 4 | 3 | 0 | [10.0, 0.0] |" in table
 
 
 def test_the_paired_measure_runs_only_the_conditions_asked_for_and_reads_the_runs_already_made(tmp_path):

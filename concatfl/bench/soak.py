@@ -381,6 +381,7 @@ def describe(metrics: dict[str, Any]) -> dict[str, Any]:
         "outsized_taken_as_sent": outsized_taken(metrics),
         "resumed": metrics.get("resumed"),
         "never_trained": metrics.get("membership", {}).get("never_trained"),
+        "rested": sum(len(record.get("membership", {}).get("resting", [])) for record in metrics["rounds"]),
         "joined": sorted({node for record in metrics["rounds"] for node in record.get("membership", {}).get("joined", [])}),
     }
 
@@ -561,7 +562,9 @@ def paired_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "replies_rejected": total("replies_rejected"),
             "replies_clipped": total("replies_clipped"),
             "replies_missing": total("replies_missing"),
+            "rested": total("rested"),
             "malformed_accepted": total("malformed_accepted"),
+            "minutes": [round((run.get("wall_seconds") or 0) / 60, 1) for run in chosen],
             "kills": sum(run["faults"].get("supernode-killed", 0) for run in chosen),
         }
 
@@ -592,13 +595,15 @@ def render_paired(summary: dict[str, Any]) -> str:
             f"{by_condition['late'].get('cost_points', '–')} |"
         )
     lines += ["", "| strategy, condition | kills | rounds redone | partitions never trained (per run) | nodes joined late (per run) "
-              "| replies rejected | clipped | missing | malformed accepted |", "|---|---|---|---|---|---|---|---|---|"]
+              "| replies rejected | clipped | missing | node-rounds rested | malformed accepted | minutes (per run) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for strategy, by_condition in summary["strategies"].items():
         for condition in ("faults", "late"):
             f = by_condition[condition]
             lines.append(
                 f"| {strategy}, {condition} | {f['kills']} | {f['rounds_redone']} | {f['never_trained']} | {f['joined_late']} | "
-                f"{f['replies_rejected']} | {f['replies_clipped']} | {f['replies_missing']} | {f['malformed_accepted']} |"
+                f"{f['replies_rejected']} | {f['replies_clipped']} | {f['replies_missing']} | {f['rested']} | "
+                f"{f['malformed_accepted']} | {f['minutes']} |"
             )
     return "\n".join(lines) + "\n"
 
