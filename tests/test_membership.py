@@ -95,6 +95,17 @@ def test_fedavg_rests_a_node_that_lets_its_hops_time_out_and_takes_it_back_when_
     assert strategy.membership.silences == {}
 
 
+def test_flowers_own_round_hooks_rest_a_silent_node_too():
+    grid = FakeGrid({1: trainer(), 2: silent_until(99)})
+    strategy = FedAvg(seed=0, update_clip=0.0, weight_clip=0.0)
+    asked = []
+    for server_round in range(1, 5):
+        messages = list(strategy.configure_train(server_round, MODEL, ConfigRecord(), grid))
+        asked.append(sorted(message.metadata.dst_node_id for message in messages))
+        strategy.aggregate_train(server_round, grid.send_and_receive(messages))
+    assert asked == [[1, 2], [1, 2], [1], [1, 2]]
+
+
 def test_a_round_never_rests_every_node():
     grid = FakeGrid({1: silent_until(10)})
     strategy = FedAvg(seed=0, update_clip=0.0, weight_clip=0.0, round_timeout=0.05)

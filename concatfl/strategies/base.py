@@ -322,6 +322,7 @@ class RelayStrategy(Strategy):
         """Validate the replies to the last `configure_train` and aggregate them."""
         hop = collect(self._pending, replies, self._pending_messages)
         self.guard.note_rejected(hop.misses)
+        self._note_silences(hop)
         return self.aggregate_hop(server_round, hop)
 
     def configure_evaluate(
