@@ -8,8 +8,10 @@ import time
 import pytest
 from flwr.app import Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
+from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectUnavailableError
 
-from concatfl.deployment.grid import StableNodeGrid
+from concatfl.deployment import grid as grid_module
+from concatfl.deployment.grid import StableNodeGrid, pull_objects_in_time
 
 from .fakes import BIG_IDS, FakeGrid, Later, reply_with
 
@@ -96,6 +98,37 @@ def test_replies_that_arrive_while_a_slow_pull_overruns_the_deadline_are_taken()
     replies = list(grid.send_and_receive(sent, timeout=0.5))
     assert len(pulls) == 2  # one more pull after the deadline, then no more
     assert [reply.metadata.src_node_id for reply in replies] == [0, 1]
+
+
+def test_a_listed_replys_objects_are_pulled_until_one_more_timeout_past_the_deadline():
+    fake = FakeGrid({BIG_IDS[1]: _identity_node(0)})
+    grid = StableNodeGrid(fake, pull_interval=0.05)
+    list(grid.get_node_ids())
+    fake.handlers[BIG_IDS[1]] = lambda message: Later(reply_with(message, RecordDict()), 0.2)
+    pull = fake.pull_messages
+    bounds = []
+
+    def pull_noting_the_bound(message_ids):
+        bounds.append(grid_module._objects_deadline.at - time.monotonic())
+        return pull(message_ids)
+
+    fake.pull_messages = pull_noting_the_bound
+    sent = [Message(RecordDict(), dst_node_id=0, message_type=MessageType.TRAIN)]
+    assert len(list(grid.send_and_receive(sent, timeout=0.5))) == 1
+    assert 0.5 < bounds[-1] <= bounds[0] <= 1.0  # the deadline, 0.5 s away, plus one more 0.5 s
+    assert grid_module._objects_deadline.at is None  # outside a hop: Flower's own bound
+
+    def never_uploaded(object_id):
+        raise ObjectUnavailableError(object_id)
+
+    grid_module._objects_deadline.at = time.monotonic() + 0.3
+    started = time.monotonic()
+    try:
+        with pytest.raises(ObjectPullError):
+            pull_objects_in_time(["abc"], never_uploaded)
+    finally:
+        grid_module._objects_deadline.at = None
+    assert 0.3 <= time.monotonic() - started < 1.0
 
 
 def test_a_node_answering_within_the_limit_is_waited_for():

@@ -26,7 +26,7 @@ from flwr.supercore.run import Run, RunNotRunningException
 from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
 
 import concatfl.deployment.supernode as supernode
-from concatfl.deployment.grid import StableNodeGrid, use_short_reply_backoff
+from concatfl.deployment.grid import StableNodeGrid, pull_objects_in_time, use_short_reply_backoff
 from concatfl.deployment.compat import (
     PULL_BACKOFF_KEYWORDS,
     calls,
@@ -234,7 +234,7 @@ def test_the_short_reply_backoff_is_set_where_the_grid_has_the_known_shape(monke
     monkeypatch.setattr(http_grid, "pull_objects", http_grid.pull_objects)
     flowers = http_grid.pull_objects
     assert use_short_reply_backoff()
-    assert http_grid.pull_objects.func is flowers and http_grid.pull_objects.keywords == SHORT_PULL_BACKOFF
+    assert http_grid.pull_objects is pull_objects_in_time
     monkeypatch.setattr(inspect, "getsource", lambda module: module.__dict__["__source__"])
     other = changed_loop("def pull_messages(pull_objects):\n    pull_objects(1, backoff_cap=3)\n")
     other.pull_objects = flowers

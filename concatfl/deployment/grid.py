@@ -23,12 +23,15 @@ It also polls for replies every `pull_interval` seconds: Flower 1.42's Grid slee
 pulls, on average 1.5 s lost per hop, which FedSeq pays again at every hop of its chains. And in
 deployment it pulls a reply's objects with a short backoff (`short_reply_backoff`): the SuperLink
 lists a reply as soon as its metadata is stored, before the SuperNode has pushed its arrays, and
-Flower's Grid then retries after 1 s, doubling up to 10 s.
+Flower's Grid then retries after 1 s, doubling up to 10 s; and for at most one more timeout past
+the hop's deadline, where Flower's Grid retries for up to 2 h: a push the SuperLink failed to
+store (its SQLite database locked under load) otherwise made a fault-free FedConcat round of a
+loopback deployment take 192 s with a 20 s round timeout.
 """
 
 from __future__ import annotations
 
-import functools
+import threading
 import time
 import types
 from collections.abc import Iterable
@@ -56,6 +59,21 @@ LOST_QUERY_ERRORS = (
 )
 
 
+# Until when (time.monotonic()) the current thread's pulls wait for a listed reply's objects;
+# `_push_and_pull` sets it for its hop, None outside one.
+_objects_deadline = threading.local()
+
+
+def pull_objects_in_time(*args: Any, **kwargs: Any) -> dict[str, bytes]:
+    """Flower's `pull_objects` with SHORT_PULL_BACKOFF, giving up at the current hop's objects
+    deadline (at least one try; `ObjectPullError` then, which Flower's Grid turns into an error
+    reply, as when the sender died mid-upload)."""
+    until = getattr(_objects_deadline, "at", None)
+    if until is not None:
+        kwargs.setdefault("max_time", max(0.0, until - time.monotonic()))
+    return pull_objects(*args, **{**SHORT_PULL_BACKOFF, **kwargs})
+
+
 @dataclass
 class _Query:
     """An identity query whose answer has not come yet."""
@@ -81,8 +99,10 @@ class StableNodeGrid(Grid):
     short_reply_backoff : bool (default: True)
         When `grid` is Flower's deployment Grid (`HttpGrid`) of a tested Flower version, pull
         reply objects that are not uploaded yet again after 0.05 s (doubling up to 0.1 s;
-        `warm_executor.SHORT_PULL_BACKOFF`) instead of Flower's 1 s (up to 10 s). This changes `HttpGrid`'s backoff for the whole
-        process: a ServerApp process serves one run. Other versions keep Flower's, with a warning.
+        `warm_executor.SHORT_PULL_BACKOFF`) instead of Flower's 1 s (up to 10 s), and within
+        `send_and_receive` for at most one more timeout past its deadline instead of Flower's
+        2 h (`pull_objects_in_time`). This changes `HttpGrid`'s pulls for the whole process: a
+        ServerApp process serves one run. Other versions keep Flower's, with a warning.
     """
 
     def __init__(
@@ -212,20 +232,24 @@ class StableNodeGrid(Grid):
         in, so that aggregations sum in the same order in every run (and in a resumed one).
 
         The last pull starts after the deadline: a pull can itself take long (Flower retries the
-        objects of a reply whose sender died mid-upload with a growing backoff), and replies
-        that arrived meanwhile were in time."""
+        objects of a reply whose sender died mid-upload), and replies that arrived meanwhile
+        were in time. A reply listed by then gets one more `timeout` to deliver its objects."""
         position = {message_id: i for i, message_id in enumerate(self.grid.push_messages(messages)) if message_id}
         pending = set(position)
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
-        while pending:
-            past_deadline = deadline is not None and time.monotonic() >= deadline
-            pulled = list(self.grid.pull_messages(list(pending)))
-            replies.extend(pulled)
-            pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
-            if not pending or past_deadline:
-                break
-            time.sleep(self.pull_interval)
+        _objects_deadline.at = None if deadline is None or timeout is None else deadline + timeout
+        try:
+            while pending:
+                past_deadline = deadline is not None and time.monotonic() >= deadline
+                pulled = list(self.grid.pull_messages(list(pending)))
+                replies.extend(pulled)
+                pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
+                if not pending or past_deadline:
+                    break
+                time.sleep(self.pull_interval)
+        finally:
+            _objects_deadline.at = None
         return sorted(replies, key=lambda reply: position.get(reply.metadata.reply_to_message_id, len(position)))
 
     def _to_flower(self, messages: Iterable[Message]) -> list[Message]:
@@ -261,14 +285,15 @@ class StableNodeGrid(Grid):
 
 
 def use_short_reply_backoff(module: types.ModuleType = http_grid) -> bool:
-    """Make Flower's deployment grid `module` pull reply objects with SHORT_PULL_BACKOFF (0.05 s,
-    doubling up to 0.1 s) if its code has the shape this adjusts (`compat.grid_pull_problem`: one
-    `pull_objects` call with the default backoff); return whether it does."""
+    """Make Flower's deployment grid `module` pull reply objects with `pull_objects_in_time`
+    (SHORT_PULL_BACKOFF: 0.05 s, doubling up to 0.1 s; the hop's objects deadline) if its code has
+    the shape this adjusts (`compat.grid_pull_problem`: one `pull_objects` call with the default
+    backoff); return whether it does."""
     if (problem := grid_pull_problem(module)) is not None:
         log(WARNING, "Flower's deployment grid differs from the one concatfl adjusts (%s): reply objects "
             "are pulled with Flower's own backoff", problem)
         return False
-    module.pull_objects = functools.partial(pull_objects, **SHORT_PULL_BACKOFF)
+    module.pull_objects = pull_objects_in_time
     return True
 
 
