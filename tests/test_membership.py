@@ -114,7 +114,7 @@ def test_a_round_never_rests_every_node():
     assert strategy.membership.silences == {1: 3}
 
 
-def test_fedcat_selects_no_resting_device_neither_for_a_copy_nor_as_a_replacement():
+def test_fedcat_selects_no_resting_device_for_a_copy_nor_as_a_replacement():
     nodes = {node: trainer() for node in (1, 2, 3, 4, 5)}
     nodes[5] = silent_until(99)
     strategy = FedCat(k=2, group_cycles=10, hop_step=1.0, hop_clip=0.0, update_clip=0.0, weight_clip=0.0, seed=0,
@@ -125,6 +125,15 @@ def test_fedcat_selects_no_resting_device_neither_for_a_copy_nor_as_a_replacemen
     for record in rested:
         assert 5 not in record["selected"]
         assert 5 not in [entry["replacement"] for entry in record.get("replacements", [])]
+    # Every node hangs: in round 3 all rest; each group still has a device selected (a round is
+    # never emptied by rests), but a lost copy gets no resting stand-in.
+    strategy = FedCat(k=2, hop_step=1.0, hop_clip=0.0, update_clip=0.0, weight_clip=0.0, seed=0, round_timeout=0.05)
+    strategy.start(FakeGrid({node: silent_until(99) for node in (1, 2, 3, 4)}), MODEL, num_rounds=3,
+                   train_config=ConfigRecord())
+    assert [len(record["selected"]) for record in strategy.history] == [2, 2, 2]
+    assert strategy.history[2]["membership"]["resting"] == [1, 2, 3, 4]
+    assert [entry["replacement"] is None for entry in strategy.history[1]["replacements"]] == [False, False]
+    assert [entry["replacement"] for entry in strategy.history[2]["replacements"]] == [None, None]
 
 
 def test_fedavg_trains_a_node_from_the_round_it_joins_and_records_who_came_and_went():

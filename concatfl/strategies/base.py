@@ -260,12 +260,13 @@ class RelayStrategy(Strategy):
                 log(WARNING, "Node %s let %d hops in a row time out (%s s each): it sits out the next %d round(s)",
                     node, self.membership.silences[node], self.round_timeout, rounds)
 
-    def awake(self, nodes: Iterable[int]) -> list[int]:
+    def awake(self, nodes: Iterable[int], never_empty: bool = True) -> list[int]:
         """`nodes` without those that rest after letting hops time out (`membership.rest_rounds`);
-        all of `nodes` when every one of them rests (a round is never emptied by rests)."""
+        with `never_empty`, all of `nodes` when every one of them rests (a round's selection is
+        never emptied by rests; a stand-in for a lost hop is better none than a resting node)."""
         nodes = list(nodes)
         resting = self.membership.resting(self._round)
-        return [node for node in nodes if node not in resting] or nodes
+        return [node for node in nodes if node not in resting] or (nodes if never_empty else [])
 
     def reject(self, hop: HopResult, reply: Reply, problem: str) -> None:
         """Move a reply that failed a strategy's own check (SCAFFOLD's control variate,

@@ -260,7 +260,7 @@ class FedCat(RelayStrategy):
                 pool = self._groups[(offset + copy_index) % k]
             else:
                 pool = sorted(self._live)
-            candidates = self.awake(node for node in pool if node in self._live and node not in taken)
+            candidates = self.awake((node for node in pool if node in self._live and node not in taken), never_empty=False)
             node = select_replacement(candidates, self._counts, offset, self.epsilon, self.rng)
             record.append({"copy": copy_index, "lost": lost, "replacement": node})
             if node is not None:
