@@ -75,13 +75,22 @@ def test_replies_are_polled_until_the_timeout_and_a_missing_one_is_left_out():
 
 
 
+def _identified_grid(count: int, reply_after: float) -> tuple[FakeGrid, StableNodeGrid]:
+    """A StableNodeGrid over `count` identified nodes (partitions 0, 1, …) that answer every
+    later message after `reply_after` seconds."""
+    nodes = BIG_IDS[1:count + 1]
+    fake = FakeGrid({node: _identity_node(partition) for partition, node in enumerate(nodes)})
+    grid = StableNodeGrid(fake, pull_interval=0.05)
+    list(grid.get_node_ids())
+    for node in nodes:
+        fake.handlers[node] = lambda message: Later(reply_with(message, RecordDict()), reply_after)
+    return fake, grid
+
+
 def test_replies_that_arrive_while_a_slow_pull_overruns_the_deadline_are_taken():
     # Flower's grid retries the objects of a reply whose sender died mid-upload with a growing
     # backoff: that pull returns after the deadline, when the other node's reply is there.
-    fake = FakeGrid({BIG_IDS[1]: _identity_node(0), BIG_IDS[2]: _identity_node(1)})
-    grid = StableNodeGrid(fake, pull_interval=0.05)
-    list(grid.get_node_ids())
-    fake.handlers[BIG_IDS[2]] = lambda message: Later(reply_with(message, RecordDict()), 0.3)
+    fake, grid = _identified_grid(2, reply_after=0.3)
     pull = fake.pull_messages
     pulls = []
 
@@ -93,7 +102,6 @@ def test_replies_that_arrive_while_a_slow_pull_overruns_the_deadline_are_taken()
         return pull(message_ids)
 
     fake.pull_messages = slow_first_pull
-    fake.handlers[BIG_IDS[1]] = lambda message: Later(reply_with(message, RecordDict()), 0.3)
     sent = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN) for node in (0, 1)]
     replies = list(grid.send_and_receive(sent, timeout=0.5))
     assert len(pulls) == 2  # one more pull after the deadline, then no more
@@ -101,10 +109,7 @@ def test_replies_that_arrive_while_a_slow_pull_overruns_the_deadline_are_taken()
 
 
 def test_a_listed_replys_objects_are_pulled_until_one_more_timeout_past_the_deadline():
-    fake = FakeGrid({BIG_IDS[1]: _identity_node(0)})
-    grid = StableNodeGrid(fake, pull_interval=0.05)
-    list(grid.get_node_ids())
-    fake.handlers[BIG_IDS[1]] = lambda message: Later(reply_with(message, RecordDict()), 0.2)
+    fake, grid = _identified_grid(1, reply_after=0.2)
     pull = fake.pull_messages
     bounds = []
 
