@@ -12,6 +12,8 @@
 - `warm_executor`: one long-lived ClientApp process per SuperNode
   (`python -m concatfl.deployment.warm_executor`).
 - `grid`: `StableNodeGrid`, the ServerApp's view of the nodes under ids that survive restarts.
+- `message_index`: the simulation link state's messages indexed by node (Flower's engine
+  otherwise scans all of them for every node, every 0.1 s).
 - `compat`: the checks that Flower's code still has the shape these modules adjust.
 
 Imports point one way: `launch`, `server_app`, `bench` and the tests use this package; it uses

@@ -1,8 +1,9 @@
 """Whether Flower's code still has the shape that concatfl's deployment modules adjust.
 
-Three modules lean on Flower internals: the SuperNode launcher replaces the fixed sleeps and the
+Four modules lean on Flower internals: the SuperNode launcher replaces the fixed sleeps and the
 object-pull backoff of Flower's SuperNode loop and follows its message step, `StableNodeGrid` the reply-object backoff of
-Flower's deployment grid, and the warm executor runs the steps of `flwr-clientapp` itself. Each
+Flower's deployment grid, `message_index` the simulation link state's search for a node's
+messages, and the warm executor runs the steps of `flwr-clientapp` itself. Each
 checks the *shape* of the code it depends on, read from the installed Flower's source, instead of
 a version number: a Flower release (1.42.1, …) whose code still has that shape gets the
 adjustment; one whose code changed runs with Flower's own behaviour and one WARNING that says
@@ -36,6 +37,15 @@ CLIENTAPP_STEPS = {
     "flwr.clientapp.utils": {"get_load_client_app_fn": ("default_app_ref", "app_path", "multi_app")},
     "flwr.cli.install": {"install_from_fab": ("fab_file", "skip_prompt")},
     "flwr.supercore.heartbeat": {"make_task_heartbeat_fn_http": ("client",), "HeartbeatSender": ("heartbeat_fn",)},
+}
+# What `message_index` uses of Flower's in-memory link state: attribute -> the parameters it
+# passes to the method (None: not a method).
+LINKSTATE_PARTS: dict[str, tuple[str, ...] | None] = {
+    "lock": None,
+    "message_ins_store": None,
+    "store_message_ins": ("message",),
+    "get_message_ins": ("node_id", "limit", "run_id"),
+    "_check_stored_messages": ("message_ids",),
 }
 # The Runtime API calls of Flower's own task input step, which the warm executor repeats.
 TASK_INPUT_CALLS = {"PullTaskInput", "PullMessages", "pull_and_inflate_object_from_tree"}
@@ -82,6 +92,20 @@ def grid_pull_problem(module: types.ModuleType) -> str | None:
     """Why Flower's deployment grid `module` does not pull reply objects the way StableNodeGrid
     shortens (None: it does)."""
     return _default_backoff_pull(module)
+
+
+def linkstate_problem(state: object) -> str | None:
+    """Why `state` is not the in-memory link state that `message_index` indexes (None: it is)."""
+    for name, parameters in LINKSTATE_PARTS.items():
+        if not hasattr(state, name):
+            return f"no {name}"
+        if parameters is not None:
+            found = tuple(inspect.signature(getattr(state, name)).parameters)
+            if not set(parameters) <= set(found):
+                return f"{name} takes {found}, without {sorted(set(parameters) - set(found))}"
+    if not isinstance(state.message_ins_store, dict):  # type: ignore[attr-defined]
+        return "message_ins_store is not a dict"
+    return None
 
 
 def clientapp_steps_problem(steps: dict[str, dict[str, tuple[str, ...]]] = CLIENTAPP_STEPS) -> str | None:
