@@ -8,6 +8,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from concatfl.strategies.common import (
+    NO_REPLY,
+    NOT_SENT,
     HopResult,
     Request,
     collect,
@@ -255,6 +257,25 @@ def test_relay_in_batches_gives_each_pull_as_it_arrives_and_the_misses_last():
     assert whole.bytes_sent == parts[-1].bytes_sent == relay(FakeGrid(handlers), _requests(nodes), timeout=1.0).bytes_sent
     assert whole.bytes_received > 0 and whole.seconds >= 0.3
     assert whole.as_record()["sent"] == 5 and whole.as_record()["replies"] == 3
+
+
+def test_relay_in_batches_sends_the_next_requests_as_earlier_ones_are_answered():
+    nodes = BIG_IDS[:5]
+    grid = FakeGrid({node: _good for node in nodes})
+    parts = list(relay_in_batches(grid, _requests(nodes), timeout=1.0, in_flight=2))
+    assert [[m.metadata.dst_node_id for m in batch] for batch in grid.hops] == [nodes[:2], nodes[2:4], nodes[4:]]
+    assert [[reply.node_id for reply in part.replies] for part in parts] == [nodes[:2], nodes[2:4], nodes[4:], []]
+    assert parts[-1].bytes_sent == relay(FakeGrid({node: _good for node in nodes}), _requests(nodes), 1.0).bytes_sent
+
+
+def test_relay_in_batches_counts_requests_that_hung_nodes_held_back_as_not_sent():
+    nodes = BIG_IDS[:4]
+    grid = FakeGrid({nodes[0]: lambda m: None, nodes[1]: lambda m: None, nodes[2]: _good, nodes[3]: _good})
+    parts = list(relay_in_batches(grid, _requests(nodes), timeout=0.3, in_flight=2))
+    assert [[m.metadata.dst_node_id for m in batch] for batch in grid.hops] == [nodes[:2]]
+    assert [(miss.request.node_id, miss.reason) for miss in parts[-1].misses] == [
+        (nodes[0], NO_REPLY), (nodes[1], NO_REPLY), (nodes[2], NOT_SENT), (nodes[3], NOT_SENT)]
+    assert not any(miss.answered for miss in parts[-1].misses)
 
 
 def test_relay_in_batches_without_requests_yields_nothing():

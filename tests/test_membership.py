@@ -8,6 +8,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from concatfl.core.fedcat import CountTable, select_replacement
 from concatfl.server_app import wait_for_start
 from concatfl.strategies import FedAvg, FedCat
+from concatfl.strategies.common import NO_REPLY, NOT_SENT, HopResult, Miss, Request
 from concatfl.strategies.membership import JOINED, RETURNED, Membership, rest_rounds
 from tests.fakes import BIG_IDS, FakeGrid, reply_with
 
@@ -79,6 +80,15 @@ def silent_until(last_silent_round: int):
         return None if server_round <= last_silent_round else train(message)
 
     return handle
+
+
+def test_a_request_never_sent_neither_rests_nor_wakes_its_node():
+    node, unsent = BIG_IDS[1], BIG_IDS[2]
+    strategy = FedAvg(seed=0)
+    strategy.membership.note_hop(1, [], [unsent])
+    request = lambda n: Request(n, RecordDict())  # noqa: E731
+    strategy._note_silences(HopResult(misses=[Miss(request(node), NO_REPLY), Miss(request(unsent), NOT_SENT)]))
+    assert strategy.membership.silences == {node: 1, unsent: 1}
 
 
 def test_fedavg_rests_a_node_that_lets_its_hops_time_out_and_takes_it_back_when_it_answers():

@@ -37,6 +37,7 @@ from flwr.supercore import log
 from .common import (
     ARRAYS_KEY,
     CONFIG_KEY,
+    NO_REPLY,
     NUM_EXAMPLES_KEY,
     HopResult,
     Miss,
@@ -254,7 +255,7 @@ class RelayStrategy(Strategy):
     def _note_silences(self, part: HopResult) -> None:
         """Rest the nodes that let this hop time out, wake those that answered (`membership`)."""
         answered = [reply.node_id for reply in part.replies] + [m.request.node_id for m in part.misses if m.answered]
-        silent = [miss.request.node_id for miss in part.misses if not miss.answered]
+        silent = [miss.request.node_id for miss in part.misses if miss.reason == NO_REPLY]
         for node, rounds in self.membership.note_hop(self._round, answered, silent).items():
             if rounds:
                 log(WARNING, "Node %s let %d hops in a row time out (%s s each): it sits out the next %d round(s)",

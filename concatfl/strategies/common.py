@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
@@ -29,6 +30,9 @@ METRICS_KEY = "metrics"
 NUM_EXAMPLES_KEY = "num-examples"
 NO_REPLY = "no reply before the round timeout"  # a Miss's reason when nothing came
 PULL_INTERVAL = 0.1  # seconds between two pulls of `relay_in_batches` (StableNodeGrid's default too)
+# A Miss's reason when `relay_in_batches` never sent the request: the window was still full at the deadline.
+NOT_SENT = "not sent before the round timeout (the hop's requests in flight did not answer)"
+IN_FLIGHT = 256  # requests `relay_in_batches` keeps out at once
 
 
 @dataclass
@@ -118,8 +122,9 @@ class Miss:
 
     @property
     def answered(self) -> bool:
-        """Whether a reply came (an error, or one that was rejected), as opposed to none in time."""
-        return self.reason != NO_REPLY
+        """Whether a reply came (an error, or one that was rejected), as opposed to none in time
+        (or no request sent)."""
+        return self.reason not in (NO_REPLY, NOT_SENT)
 
     @property
     def short_reason(self) -> str:
@@ -296,22 +301,46 @@ def relay(grid: Grid, requests: Sequence[Request], timeout: float | None) -> Hop
     return hop
 
 
-def relay_in_batches(grid: Grid, requests: Sequence[Request], timeout: float | None) -> Iterator[HopResult]:
+def relay_in_batches(
+    grid: Grid, requests: Sequence[Request], timeout: float | None, in_flight: int = IN_FLIGHT
+) -> Iterator[HopResult]:
     """`relay` for a hop whose replies are too many to hold at once (a stage 1 that hears from
     every node): the same messages, validation and misses, but the replies of each pull come as
     a part of the hop as soon as they arrive, in the order of their requests, and a last part
     holds the misses of the requests that got no reply in time, the bytes sent and the hop's
     seconds. A caller that keeps only what it needs of each part holds one pull's replies at a
-    time; `HopResult.add` puts the parts together."""
+    time; `HopResult.add` puts the parts together.
+
+    At most `in_flight` requests are out at once: the next ones are sent, in order, once the
+    caller has taken the part that answered earlier ones, so replies the caller has not digested
+    yet never pile up by more than that (in simulation they wait in the ServerApp's own process).
+    A request still unsent at the deadline is a miss too (`NOT_SENT`): the nodes that hold the
+    window without answering (more than `in_flight` hung nodes) cost the others their turn."""
     if not requests:
         return
     messages = to_messages(requests)
-    bytes_sent = sum(message_bytes(message) for message in messages)
     started = time.perf_counter()
     deadline = None if timeout is None else time.monotonic() + timeout
-    sent = {mid: i for i, mid in enumerate(grid.push_messages(messages)) if mid}  # message id -> request
-    pending = set(sent)
+    unsent = deque(range(len(requests)))
+    sent: dict[str, int] = {}  # message id -> request
+    pending: set[str] = set()
+    refused: list[int] = []  # requests the grid did not store
+    bytes_sent = 0
+
+    def send_more() -> None:
+        nonlocal bytes_sent
+        batch = [unsent.popleft() for _ in range(min(len(unsent), in_flight - len(pending)))]
+        if not batch:
+            return
+        bytes_sent += sum(message_bytes(messages[i]) for i in batch)
+        ids = list(grid.push_messages([messages[i] for i in batch]))
+        refused.extend(i for i, mid in zip(batch, ids + [""] * (len(batch) - len(ids))) if not mid)
+        fresh = {mid: i for i, mid in zip(batch, ids) if mid}
+        sent.update(fresh)
+        pending.update(fresh)
+
     position = lambda reply: sent.get(reply.metadata.reply_to_message_id, -1)  # noqa: E731
+    send_more()
     while pending:
         past_deadline = deadline is not None and time.monotonic() >= deadline
         pulled = sorted(grid.pull_messages(list(pending)), key=position)
@@ -319,11 +348,16 @@ def relay_in_batches(grid: Grid, requests: Sequence[Request], timeout: float | N
         pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
         if pulled:
             yield collect([requests[i] for i in answered], pulled, [messages[i] for i in answered])
-        if not pending or past_deadline:
+        if past_deadline:
+            break
+        send_more()
+        if not pending:
             break
         time.sleep(PULL_INTERVAL)
-    unanswered = sorted({sent[mid] for mid in pending} | (set(range(len(requests))) - set(sent.values())))
-    last = collect([requests[i] for i in unanswered], [])
+    last = collect([requests[i] for i in sorted({sent[mid] for mid in pending} | set(refused))], [])
+    last.misses.extend(Miss(requests[i], NOT_SENT) for i in unsent)
+    for i in unsent:
+        log(WARNING, "Node %s (%s) left out: %s", requests[i].node_id, requests[i].tag, NOT_SENT)
     last.bytes_sent, last.seconds = bytes_sent, time.perf_counter() - started
     yield last
 
