@@ -20,18 +20,30 @@ import types
 import flwr.superlink.grid.http_grid as http_grid
 import pytest
 from flwr.app import ConfigRecord, Message, Metadata, RecordDict
+from flwr.proto.message_pb2 import PushObjectRequest, PushObjectResponse  # pylint: disable=no-name-in-module
+from flwr.proto.node_pb2 import Node  # pylint: disable=no-name-in-module
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
 from flwr.supercore.object_store.in_memory_object_store import InMemoryObjectStore
 from flwr.supercore.run import Run, RunNotRunningException
 from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
 
+import concatfl.deployment.grid as grid_module
 import concatfl.deployment.supernode as supernode
-from concatfl.deployment.grid import StableNodeGrid, pull_objects_in_time, use_short_reply_backoff
+from concatfl.deployment.grid import (
+    PUSH_TRIES,
+    StableNodeGrid,
+    make_push_object_fn_retrying,
+    pull_objects_in_time,
+    retry_object_pushes,
+    use_short_reply_backoff,
+)
 from concatfl.deployment.compat import (
     PULL_BACKOFF_KEYWORDS,
     calls,
     clientapp_steps_problem,
     grid_pull_problem,
+    grid_push_problem,
     supernode_loop_problem,
 )
 from concatfl.deployment.warm_executor import SHORT_PULL_BACKOFF
@@ -46,6 +58,7 @@ def test_the_installed_flower_has_the_shape_every_adjustment_expects():
     assert sleeps == [supernode.FLOWER_CHECK_SLEEP, supernode.FLOWER_CHECK_SLEEP, supernode.FLOWER_IDLE_SLEEP]
     assert supernode_loop_problem(SUPERNODE_LOOP) is None
     assert grid_pull_problem(http_grid) is None
+    assert grid_push_problem(http_grid) is None
     assert clientapp_steps_problem() is None
     assert set(SHORT_PULL_BACKOFF) == PULL_BACKOFF_KEYWORDS  # what the pull check looks for
 
@@ -239,6 +252,28 @@ def test_the_short_reply_backoff_is_set_where_the_grid_has_the_known_shape(monke
     other = changed_loop("def pull_messages(pull_objects):\n    pull_objects(1, backoff_cap=3)\n")
     other.pull_objects = flowers
     assert not use_short_reply_backoff(other) and other.pull_objects is flowers
+
+
+def test_an_object_the_superlink_did_not_store_is_pushed_again(monkeypatch):
+    monkeypatch.setattr(grid_module.time, "sleep", lambda seconds: None)
+    answers = []
+
+    def superlink(stored_after: int):
+        def push_object(request: PushObjectRequest) -> PushObjectResponse:
+            answers.append(request.object_id)
+            return PushObjectResponse(stored=len(answers) > stored_after)
+        return push_object
+
+    push = make_push_object_fn_retrying(push_object_protobuf=superlink(2), node=Node(node_id=1), run_id=3, session_id="s")
+    push("abc", b"content")  # refused twice (the database locked), stored at the third try
+    assert answers == ["abc"] * 3
+    answers.clear()
+    push = make_push_object_fn_retrying(push_object_protobuf=superlink(PUSH_TRIES), node=Node(node_id=1), run_id=3, session_id="s")
+    with pytest.raises(ObjectPushError):
+        push("abc", b"content")
+    assert len(answers) == PUSH_TRIES
+    monkeypatch.setattr(http_grid, "make_push_object_fn_protobuf", http_grid.make_push_object_fn_protobuf)
+    assert retry_object_pushes() and http_grid.make_push_object_fn_protobuf is make_push_object_fn_retrying
 
 
 def test_a_simulation_grid_leaves_flowers_backoff_alone(monkeypatch):

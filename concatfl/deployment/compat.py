@@ -1,7 +1,7 @@
 """Whether Flower's code still has the shape that concatfl's deployment modules adjust.
 
 Four modules lean on Flower internals: the SuperNode launcher replaces the fixed sleeps and the
-object-pull backoff of Flower's SuperNode loop and follows its message step, `StableNodeGrid` the reply-object backoff of
+object-pull backoff of Flower's SuperNode loop and follows its message step, `StableNodeGrid` the reply-object backoff and the object pushes of
 Flower's deployment grid, `message_index` the simulation link state's search for a node's
 messages, and the warm executor runs the steps of `flwr-clientapp` itself. Each
 checks the *shape* of the code it depends on, read from the installed Flower's source, instead of
@@ -105,6 +105,15 @@ def linkstate_problem(state: object) -> str | None:
                 return f"{name} takes {found}, without {sorted(set(parameters) - set(found))}"
     if not isinstance(state.message_ins_store, dict):  # type: ignore[attr-defined]
         return "message_ins_store is not a dict"
+    return None
+
+
+def grid_push_problem(module: types.ModuleType) -> str | None:
+    """Why Flower's deployment grid `module` does not push objects the way StableNodeGrid retries
+    (None: it does: one `make_push_object_fn_protobuf` call, the function imported by name)."""
+    made = calls(module, "make_push_object_fn_protobuf")
+    if len(made) != 1 or not callable(getattr(module, "make_push_object_fn_protobuf", None)):
+        return f"{len(made)} calls of make_push_object_fn_protobuf, expected 1"
     return None
 
 

@@ -26,7 +26,9 @@ lists a reply as soon as its metadata is stored, before the SuperNode has pushed
 Flower's Grid then retries after 1 s, doubling up to 10 s; and for at most one more timeout past
 the hop's deadline, where Flower's Grid retries for up to 2 h: a push the SuperLink failed to
 store (its SQLite database locked under load) otherwise made a fault-free FedConcat round of a
-loopback deployment take 192 s with a 20 s round timeout.
+loopback deployment take 192 s with a 20 s round timeout. The same lock can refuse one of the
+ServerApp's own pushes; it pushes such an object again (`retry_object_pushes`) where Flower's
+grid fails the run.
 
 In simulation it gives the in-memory link state an index of the messages by node
 (`message_index`): Flower's simulation engine otherwise scans every stored message for every node
@@ -38,7 +40,7 @@ from __future__ import annotations
 import threading
 import time
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
@@ -49,10 +51,11 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore import log
-from flwr.supercore.inflatable.inflatable_utils import pull_objects
+from flwr.supercore.inflatable.inflatable_protobuf_utils import make_push_object_fn_protobuf
+from flwr.supercore.inflatable.inflatable_utils import ObjectPushError, pull_objects
 
 from ..protocol import IDENTITY_QUERY, PARTITION_ID_KEY
-from .compat import grid_pull_problem
+from .compat import grid_pull_problem, grid_push_problem
 from .message_index import index_messages_by_node
 from .warm_executor import SHORT_PULL_BACKOFF
 
@@ -64,6 +67,11 @@ LOST_QUERY_ERRORS = (
     ErrorCode.CLIENT_APP_CRASHED,
 )
 
+
+# How often the ServerApp pushes one object the SuperLink did not store, and the first wait
+# between two tries (doubled each time: 0.1 + 0.2 + 0.4 + 0.8 s at most in all).
+PUSH_TRIES = 5
+PUSH_RETRY_WAIT = 0.1
 
 # Until when (time.monotonic()) the current thread's pulls wait for a listed reply's objects;
 # `_push_and_pull` sets it for its hop, None outside one.
@@ -120,6 +128,8 @@ class StableNodeGrid(Grid):
     ) -> None:
         if short_reply_backoff and isinstance(grid, http_grid.HttpGrid):
             use_short_reply_backoff()
+        if isinstance(grid, http_grid.HttpGrid):
+            retry_object_pushes()
         if isinstance(grid, InMemoryGrid):
             index_messages_by_node(grid.state)
         self.grid = grid
@@ -302,6 +312,38 @@ def use_short_reply_backoff(module: types.ModuleType = http_grid) -> bool:
             "are pulled with Flower's own backoff", problem)
         return False
     module.pull_objects = pull_objects_in_time
+    return True
+
+
+def make_push_object_fn_retrying(*args: Any, **kwargs: Any) -> Callable[[str, bytes], None]:
+    """Flower's `make_push_object_fn_protobuf`, whose pushes are tried again (PUSH_TRIES times in
+    all) when the SuperLink answers that it did not store the object: a SuperLink whose SQLite
+    database was locked for a moment rolls the store back and keeps the object pending, and the
+    same push then succeeds, where Flower's grid raises `ObjectPushError` out of the ServerApp
+    and the run fails."""
+    push = make_push_object_fn_protobuf(*args, **kwargs)
+
+    def push_object_fn(object_id: str, object_content: bytes) -> None:
+        for attempt in range(PUSH_TRIES):
+            try:
+                return push(object_id, object_content)
+            except ObjectPushError:
+                if attempt == PUSH_TRIES - 1:
+                    raise
+                log(WARNING, "The SuperLink did not store object %s: pushing it again", object_id[:12])
+                time.sleep(PUSH_RETRY_WAIT * 2**attempt)
+
+    return push_object_fn
+
+
+def retry_object_pushes(module: types.ModuleType = http_grid) -> bool:
+    """Make Flower's deployment grid `module` push objects with `make_push_object_fn_retrying` if
+    its code has the shape this adjusts (`compat.grid_push_problem`); return whether it does."""
+    if (problem := grid_push_problem(module)) is not None:
+        log(WARNING, "Flower's deployment grid differs from the one concatfl adjusts (%s): an object the "
+            "SuperLink fails to store ends the run", problem)
+        return False
+    module.make_push_object_fn_protobuf = make_push_object_fn_retrying
     return True
 
 
