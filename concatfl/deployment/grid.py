@@ -307,12 +307,8 @@ def use_short_reply_backoff(module: types.ModuleType = http_grid) -> bool:
     (SHORT_PULL_BACKOFF: 0.05 s, doubling up to 0.1 s; the hop's objects deadline) if its code has
     the shape this adjusts (`compat.grid_pull_problem`: one `pull_objects` call with the default
     backoff); return whether it does."""
-    if (problem := grid_pull_problem(module)) is not None:
-        log(WARNING, "Flower's deployment grid differs from the one concatfl adjusts (%s): reply objects "
-            "are pulled with Flower's own backoff", problem)
-        return False
-    module.pull_objects = pull_objects_in_time
-    return True
+    return _adjust_grid(module, grid_pull_problem(module), "pull_objects", pull_objects_in_time,
+                        "reply objects are pulled with Flower's own backoff")
 
 
 def make_push_object_fn_retrying(*args: Any, **kwargs: Any) -> Callable[[str, bytes], None]:
@@ -339,11 +335,17 @@ def make_push_object_fn_retrying(*args: Any, **kwargs: Any) -> Callable[[str, by
 def retry_object_pushes(module: types.ModuleType = http_grid) -> bool:
     """Make Flower's deployment grid `module` push objects with `make_push_object_fn_retrying` if
     its code has the shape this adjusts (`compat.grid_push_problem`); return whether it does."""
-    if (problem := grid_push_problem(module)) is not None:
-        log(WARNING, "Flower's deployment grid differs from the one concatfl adjusts (%s): an object the "
-            "SuperLink fails to store ends the run", problem)
+    return _adjust_grid(module, grid_push_problem(module), "make_push_object_fn_protobuf",
+                        make_push_object_fn_retrying, "an object the SuperLink fails to store ends the run")
+
+
+def _adjust_grid(module: types.ModuleType, problem: str | None, name: str, replacement: Any, otherwise: str) -> bool:
+    """Replace `module.name` by `replacement` unless Flower's grid has another shape (`problem`),
+    which is logged with what the run does `otherwise`."""
+    if problem is not None:
+        log(WARNING, "Flower's deployment grid differs from the one concatfl adjusts (%s): %s", problem, otherwise)
         return False
-    module.make_push_object_fn_protobuf = make_push_object_fn_retrying
+    setattr(module, name, replacement)
     return True
 
 
