@@ -1,14 +1,15 @@
 """Every entry point that starts processes stops all of them when it is stopped itself.
 
 Each command runs in its own folder; while it runs, every process it started (its whole tree,
-sampled twice a second: the SuperLink and SuperNodes run in sessions of their own, so once the
-command is gone they would no longer be its descendants) is noted. Once it has started its
+sampled twice a second: the SuperLink and SuperNodes run in process groups of their own, so once
+the command is gone they would no longer be its descendants) is noted. Once it has started its
 processes it gets SIGTERM (or SIGINT, as a terminal's Ctrl-C); it must exit, and none of the
 noted processes may be left.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 
 from concatfl import PROJECT_DIR
 from concatfl.deployment.processes import stop_process_trees
+from concatfl.deployment.session import FlowerSession
 
 # (name, command, a process name that shows the command has started its deployment, signals sent)
 ENTRY_POINTS = [
@@ -106,3 +108,15 @@ def test_stopping_signals_every_process_before_waiting_for_any(tmp_path: Path):
     stops = [float(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("stopping")]
     assert len(stops) == len(processes) and max(stops) - min(stops) < 1.0
     assert all(process.returncode == 0 for process in processes)
+
+
+def test_supernodes_share_the_callers_cpu_slice_and_the_superlink_has_its_own(tmp_path: Path):
+    # Linux's autogroup scheduling gives every session an equal share of the CPU: SuperNodes in
+    # sessions of their own would leave the SuperLink 1/(N+1) of the machine. Each process has a
+    # process group of its own either way (a terminal's Ctrl-C reaches only the caller).
+    with FlowerSession(tmp_path, simulation=False) as session:
+        node = session.spawn(["sleep", "60"], "node.log")
+        superlink = session.superlink
+        assert superlink is not None
+        assert os.getsid(node.pid) == os.getsid(0) and os.getpgid(node.pid) == node.pid
+        assert os.getsid(superlink.pid) == superlink.pid != os.getsid(0)

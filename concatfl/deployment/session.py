@@ -130,7 +130,7 @@ class FlowerSession(FlowerCli):
         command = superlink_command(
             self.superlink_host, self.port, self.database, simulation=self.simulation, security=self.superlink_args
         )
-        self.superlink = self.spawn(command, "superlink.log", netns=self.superlink_netns)
+        self.superlink = self.spawn(command, "superlink.log", netns=self.superlink_netns, own_cpu_share=True)
         wait_for_port(
             self.superlink_host, self.port, self.superlink, self.workdir / "superlink.log", self.superlink_netns
         )
@@ -145,7 +145,7 @@ class FlowerSession(FlowerCli):
             self.address, self.superlink_address, "localhost", self.fleet_door, f"{LOOPBACK}:{free_port()}"
         )
         command = fleet_door_command(PROJECT_DIR / "deploy/haproxy.cfg")
-        self.door = self.spawn(command, "fleet-door.log", netns=self.superlink_netns, env=settings)
+        self.door = self.spawn(command, "fleet-door.log", netns=self.superlink_netns, env=settings, own_cpu_share=True)
         wait_for_port(self.host, self.door_port, self.door, self.workdir / "fleet-door.log", self.superlink_netns, "haproxy")
         return self.door
 
@@ -167,10 +167,24 @@ class FlowerSession(FlowerCli):
             shutil.rmtree(self.ray_tmpdir, ignore_errors=True)
 
     def spawn(
-        self, command: list[str], log_name: str, netns: str | None = None, env: Mapping[str, str] | None = None
+        self,
+        command: list[str],
+        log_name: str,
+        netns: str | None = None,
+        env: Mapping[str, str] | None = None,
+        own_cpu_share: bool = False,
     ) -> subprocess.Popen[bytes]:
         """Start a process (in `netns`, logging to `workdir/log_name`, with `env` added to the
-        session's environment) that the session will stop; RuntimeError once the session is stopping."""
+        session's environment) that the session will stop; RuntimeError once the session is stopping.
+
+        Every process gets a process group of its own (a Ctrl-C at the terminal reaches only the
+        caller, which stops them in order). `own_cpu_share` (the SuperLink's host: the SuperLink
+        and the fleet door) also gives it a session of its own. Linux's autogroup scheduling
+        shares the CPU equally among sessions, whatever the number of processes in each: the
+        SuperNodes stay in the caller's session and share one slice, as nodes on other hosts
+        would not take the SuperLink's CPU. With a session per SuperNode, 48 nodes left the
+        SuperLink and its ServerApp ~1/49 of this machine (docs/results.md, `soak --capacity`).
+        """
         if self.closed:
             raise RuntimeError("the session is stopping: no new process")
         process = subprocess.Popen(
@@ -178,7 +192,8 @@ class FlowerSession(FlowerCli):
             env={**self.env, **(env or {})},
             stdout=(self.workdir / log_name).open("ab"),
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=own_cpu_share,
+            process_group=None if own_cpu_share else 0,
         )
         self.processes.append(process)
         return process
