@@ -111,9 +111,7 @@ def test_stopping_signals_every_process_before_waiting_for_any(tmp_path: Path):
 
 
 def test_supernodes_share_the_callers_cpu_slice_and_the_superlink_has_its_own(tmp_path: Path):
-    # Linux's autogroup scheduling gives every session an equal share of the CPU: SuperNodes in
-    # sessions of their own would leave the SuperLink 1/(N+1) of the machine. Each process has a
-    # process group of its own either way (a terminal's Ctrl-C reaches only the caller).
+    # Why: FlowerSession.spawn's docstring (autogroup scheduling shares the CPU by session).
     with FlowerSession(tmp_path, simulation=False) as session:
         node = session.spawn(["sleep", "60"], "node.log")
         superlink = session.superlink
