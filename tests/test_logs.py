@@ -13,7 +13,7 @@ from concatfl.config import STRATEGIES, RunConfig
 from concatfl.deployment.cli import colors_wanted, plain, readable_log
 from concatfl.runtime import ServerEnv
 from concatfl.strategies import build_strategy
-from concatfl.strategies.base import summary_value
+from concatfl.strategies.summary import summary_value
 from concatfl.strategies.common import Miss, Request
 
 

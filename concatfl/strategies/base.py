@@ -5,7 +5,7 @@ A round is a sequence of hops (see `common.relay`). A subclass says what each ho
 rounds, measures bytes and seconds, evaluates the global model whenever it changes, and keeps
 one JSON-ready record per round in `history` (the rounds of metrics.json). At the start of every
 round it looks at the connected nodes and asks the subclass (`place`) where each node that
-joined after the start, or came back, goes (`membership`): one mechanism for every strategy.
+joined after the start, or came back, goes (`membership`, `admission`): one mechanism for every strategy.
 
 Flower's own hooks are honoured: `configure_train`/`aggregate_train` are the same two steps
 seen from Flower's side (one hop each call), so a user who drives the strategy by hand sees
@@ -22,7 +22,6 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Iterable
 from logging import INFO, WARNING
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,7 +36,6 @@ from flwr.supercore import log
 from .common import (
     ARRAYS_KEY,
     CONFIG_KEY,
-    NO_REPLY,
     NUM_EXAMPLES_KEY,
     HopResult,
     Miss,
@@ -54,13 +52,15 @@ from .common import (
 )
 from ..config import DEFAULT_ROUND_TIMEOUT
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP, ReplyGuard
-from .membership import ASKED_AGAIN, JOINED, RETURNED, START, Membership, placement
+from .admission import Admission
+from .membership import RETURNED, Membership
+from .summary import round_line, summary_value
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 _ABSENT = object()
 
 
-class RelayStrategy(Strategy):
+class RelayStrategy(Admission, Strategy):
     """Base class: rounds of relay hops with measured traffic and per-round records.
 
     Parameters
@@ -251,23 +251,6 @@ class RelayStrategy(Strategy):
                 for reply in part.replies:
                     reply.drop_arrays()
         return hop
-
-    def _note_silences(self, part: HopResult) -> None:
-        """Rest the nodes that let this hop time out, wake those that answered (`membership`)."""
-        answered = [reply.node_id for reply in part.replies] + [m.request.node_id for m in part.misses if m.answered]
-        silent = [miss.request.node_id for miss in part.misses if miss.reason == NO_REPLY]
-        for node, rounds in self.membership.note_hop(self._round, answered, silent).items():
-            if rounds:
-                log(WARNING, "Node %s let %d hops in a row time out (%s s each): it sits out the next %d round(s)",
-                    node, self.membership.silences[node], self.round_timeout, rounds)
-
-    def awake(self, nodes: Iterable[int], never_empty: bool = True) -> list[int]:
-        """`nodes` without those that rest after letting hops time out (`membership.rest_rounds`);
-        with `never_empty`, all of `nodes` when every one of them rests (a round's selection is
-        never emptied by rests; a stand-in for a lost hop is better none than a resting node)."""
-        nodes = list(nodes)
-        resting = self.membership.resting(self._round)
-        return [node for node in nodes if node not in resting] or (nodes if never_empty else [])
 
     def reject(self, hop: HopResult, reply: Reply, problem: str) -> None:
         """Move a reply that failed a strategy's own check (SCAFFOLD's control variate,
@@ -473,7 +456,7 @@ class RelayStrategy(Strategy):
                         record.update(dict(evaluated))
             record["seconds"] = round(time.perf_counter() - round_started, 4)
             self.history.append(record)
-            log(INFO, "[ROUND %s/%s] %s", server_round, num_rounds, _short(record))
+            log(INFO, "[ROUND %s/%s] %s", server_round, num_rounds, round_line(record))
             if self.after_round is not None:
                 self.after_round(server_round, arrays, result)
 
@@ -481,79 +464,6 @@ class RelayStrategy(Strategy):
         # the round lines above (they stay in the returned Result and in metrics.json).
         log(INFO, "Strategy execution finished in %.2fs", time.perf_counter() - started)
         return result
-
-    # ------------------------------------------------------------------ membership
-    def _place_start(self, grid: Grid) -> None:
-        """After setup: place the connected nodes that setup did not place. For a strategy
-        without a stage 1 that is every node, placed without a record per node; after a stage 1
-        it is the nodes it deferred (`defer`) and those that connected while it ran, placed as
-        nodes that joined (recorded in the setup record's ``placements``)."""
-        staged = bool(self.membership.places)
-        unplaced = [node for node in live_node_ids(grid) if node not in self.membership.places]
-        deferred, self._deferred = self._deferred, set()
-        groups = (
-            ([n for n in unplaced if n in deferred], ASKED_AGAIN), ([n for n in unplaced if n not in deferred], JOINED)
-        ) if staged else ((unplaced, START),)
-        placements = self.setup_record.setdefault("placements", []) if staged and unplaced else None
-        for nodes, why in groups:
-            for node, where in (self.place(grid, nodes, why, 0).items() if nodes else ()):
-                self.settle(node, where, why, placements)
-        self.setup_record["start_nodes"] = len(self.membership.places)
-
-    def defer(self, nodes: Iterable[int]) -> None:
-        """Leave `nodes` (connected at the start, their stage-1 reply missing or rejected: lost on
-        the way, or a node that came up slowly) without a place for now: right after `setup`,
-        stage 1 asks them once more, as it asks a node that joins (`place` with ASKED_AGAIN);
-        only a second failure places them without stage-1 information."""
-        self._deferred.update(int(node) for node in nodes)
-
-    def settle(self, node: int, where: Any, why: str, placements: list[dict[str, Any]] | None = None) -> None:
-        """Record `node`'s place; a placement for a reason other than START is also appended to
-        `placements` (a strategy's setup record keeps its own)."""
-        self.membership.settle(node, where)
-        if placements is not None and why != START:
-            placements.append(placement(node, where, why))
-
-    def _admit(self, grid: Grid, server_round: int) -> None:
-        """The start of a round: place the nodes that joined or came back, and note who left."""
-        self._round = server_round
-        live = live_node_ids(grid)
-        changes = self.membership.look(live)
-        for node in changes.returned:
-            self.membership.wake(node)
-        placements: list[dict[str, Any]] = []
-        for nodes, why in ((changes.new, JOINED), (changes.returned, RETURNED)):
-            if nodes:
-                for node, where in self.place(grid, nodes, why, server_round).items():
-                    self.settle(node, where, why, placements)
-        self._membership_record = {"connected": len(live)}
-        if resting := sorted(self.membership.resting(server_round) & set(live)):
-            self._membership_record["resting"] = resting
-        for key, nodes in (("joined", changes.new), ("returned", changes.returned), ("left", changes.left)):
-            if nodes:
-                self._membership_record[key] = nodes
-        if placements:
-            self.record("placements", placements)
-        if changes.new or changes.returned or changes.left:
-            where = {entry["node"]: entry["where"] for entry in placements}
-            unplaced = [node for node in changes.new + changes.returned if node not in where]
-            log(
-                INFO,
-                "Round %s: %d nodes connected; joined %s, came back %s, left %s; placed (node: where) %s%s",
-                server_round, len(live), changes.new, changes.returned, changes.left, where,
-                f"; not placed yet {unplaced}" if unplaced else "",
-            )
-
-    def _trained_nodes(self) -> set[int]:
-        """The nodes that had a training reply accepted this round (placing hops aside)."""
-        placing = {id(hop) for hop in self._placing_hops}
-        return {
-            reply.node_id
-            for hop in self._round_hops
-            if id(hop) not in placing
-            for reply in hop.replies
-            if reply.request.message_type.startswith(MessageType.TRAIN)
-        }
 
     def _federated_evaluation(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -578,38 +488,3 @@ def _constructor_parameters(cls: type) -> list[str]:
             if parameter.name != "self" and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
                 names.setdefault(parameter.name)
     return list(names)
-
-
-def summary_value(value: Any, max_items: int = 4, max_chars: int = 60) -> str:
-    """A short rendering of a parameter value for logs: numbers, strings and short sequences as
-    they are; arrays and tensors by their shape; long sequences by their length; any other object
-    by its repr when that is short, else by its type."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    if isinstance(value, (Path, torch.device)):
-        return repr(str(value))
-    if isinstance(value, (np.ndarray, torch.Tensor)):
-        return f"{type(value).__name__} of shape {tuple(value.shape)}"
-    if isinstance(value, (list, tuple, set, frozenset, dict)):
-        if len(value) > max_items:
-            return f"<{len(value)} items>"
-        if isinstance(value, dict):
-            return "{" + ", ".join(f"{k!r}: {summary_value(v)}" for k, v in value.items()) + "}"
-        inner = ", ".join(summary_value(v) for v in value)
-        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
-    text = repr(value)
-    return text if len(text) <= max_chars and "\n" not in text else f"<{type(value).__name__}>"
-
-
-def _short(record: dict[str, Any]) -> str:
-    """One round's progress line: accuracy and loss (when evaluated), traffic and time."""
-    parts = [f"{key} {record[key]:.4f}" for key in ("accuracy", "loss") if key in record]
-    parts.append(f"sent {record['bytes_sent'] / 1e6:.2f} MB, received {record['bytes_received'] / 1e6:.2f} MB")
-    misses = [miss for hop in record["hops"] for miss in hop["misses"]]
-    if misses:
-        rejected = sum(miss["reason"].startswith("rejected") for miss in misses)
-        parts.append(f"{len(misses)} missed replies" + (f" ({rejected} rejected)" if rejected else ""))
-    for kind in ("clipped", "down-weighted"):
-        if events := record.get("guard", {}).get(kind):
-            parts.append(f"{len(events)} {kind}")
-    return ", ".join(parts) + f", {record['seconds']:.2f} s"
