@@ -118,14 +118,8 @@ def parse_overrides(text: str) -> dict[str, Any]:
     return overrides
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line: check the run config, run one simulation, stream its log, say where metrics.json is.
-
-    Returns 2 for a bad argument or run-config value (found before anything starts), 1 when
-    the run did not complete.
-    """
-    exit_on_signals()
-    plain_flower_logs()
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (`main` reads its arguments with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-supernodes", type=int, default=10)
     parser.add_argument("--run-config", default="", help="overrides, e.g. \"num-server-rounds=5 lr=0.1\"")
@@ -142,7 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         "--ray-address", default=None, metavar="HOST:PORT",
         help="run on this running Ray cluster (its head's address) instead of a Ray instance of the run's own",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: check the run config, run one simulation, stream its log, say where metrics.json is.
+
+    Returns 2 for a bad argument or run-config value (found before anything starts), 1 when
+    the run did not complete.
+    """
+    exit_on_signals()
+    plain_flower_logs()
+    args = build_parser().parse_args(argv)
     try:
         overrides = parse_overrides(args.run_config)
         config = RunConfig.from_mapping(overrides)

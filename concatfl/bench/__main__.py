@@ -61,17 +61,8 @@ def dry_run(
         print(f"{cell.setting.label or suite.name} · {cell.method}: {cell.num_supernodes} clients; {settings_text}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line, run (or list) the suite, print its table."""
-    exit_on_signals()
-    plain_flower_logs()
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == [overhead.SUITE]:
-        return overhead.main(argv[1:])
-    if argv[:1] == [soak.SUITE]:
-        return soak.main(argv[1:])
-    if argv[:1] == [scale.SUITE]:
-        return scale.main(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser for the suites (overhead, soak and scale have their own)."""
     parser = argparse.ArgumentParser(prog="python -m concatfl.bench", description=__doc__)
     parser.add_argument(
         "suite",
@@ -113,6 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cell-timeout", type=float, default=6 * 3600, help="seconds one run may take (default 6 h)")
     parser.add_argument("--cpus-per-client", type=int, default=1)
     parser.add_argument("--gpus-per-client", type=float, default=0.0, help="GPU share of each simulated client")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, run (or list) the suite, print its table."""
+    exit_on_signals()
+    plain_flower_logs()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [overhead.SUITE]:
+        return overhead.main(argv[1:])
+    if argv[:1] == [soak.SUITE]:
+        return soak.main(argv[1:])
+    if argv[:1] == [scale.SUITE]:
+        return scale.main(argv[1:])
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.suite == overhead.SUITE:
         parser.error(f"put {overhead.SUITE} first: python -m concatfl.bench {overhead.SUITE} [options]")

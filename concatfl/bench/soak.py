@@ -776,8 +776,8 @@ def _tree_cpu(pid: int) -> float:
         return 0.0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line (module docstring)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (`main` reads its arguments with it)."""
     parser = argparse.ArgumentParser(prog=f"python -m concatfl.bench {SUITE}", description=__doc__.split("\n\n")[0])
     defaults = Settings()
     parser.add_argument("--out", default="results", help="results folder (the soak writes <out>/soak)")
@@ -800,6 +800,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paired", action="store_true", help="measure what the faults cost (module docstring)")
     parser.add_argument("--seeds", default=",".join(map(str, PAIRED_SEEDS)), help="the paired measure's seeds")
     parser.add_argument("--conditions", default=",".join(CONDITIONS), help="the paired measure's conditions")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line (module docstring)."""
+    parser = build_parser()
+    defaults = Settings()
     args = parser.parse_args(argv)
     args.nodes = args.nodes or (PAIRED_NODES if args.paired else defaults.nodes)
     args.rounds = args.rounds or (PAIRED_ROUNDS if args.paired else defaults.rounds)
