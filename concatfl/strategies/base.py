@@ -55,6 +55,7 @@ from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP, ReplyGuard
 from .admission import Admission
 from .membership import RETURNED, Membership
 from .summary import round_line, summary_value
+from .privacy import PrivacyState, check_driver, enforce_clipping, explain_mod_errors, stage_failure
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 _ABSENT = object()
@@ -130,6 +131,7 @@ class RelayStrategy(Admission, Strategy):
         self._train_config = ConfigRecord()  # the run's training config (placing nodes may train them)
         self.last_round: int | None = None  # the run's last round, once `start()` knows it
         self._round = 0  # the round being run (0: setup)
+        self._privacy = PrivacyState()  # Flower's DP pieces around the run (`privacy`)
 
     # ------------------------------------------------------------------ subclass hooks
     def setup(self, grid: Grid, initial_arrays: ArrayRecord, train_config: ConfigRecord) -> None:
@@ -244,6 +246,7 @@ class RelayStrategy(Admission, Strategy):
         )
         for part in parts:
             self.guard.note_rejected(part.misses)
+            explain_mod_errors(self, self._privacy, part.misses)
             self._note_silences(part)
             hop.add(part)
             if digest is not None and part.replies:
@@ -290,7 +293,11 @@ class RelayStrategy(Admission, Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Messages of the round's next hop (FedSeq rounds have several; others one)."""
+        """Messages of the round's next hop (FedSeq rounds have several; others one).
+
+        Under one of Flower's DP wrappers, a strategy that does not compose with it raises
+        ValueError here, before any message (`privacy.check_driver`)."""
+        check_driver(self, self._privacy, config)
         last_round, last_hop = self._hop_position
         hop = last_hop if last_round == server_round else 0
         if hop == 0:
@@ -306,7 +313,9 @@ class RelayStrategy(Admission, Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate the replies to the last `configure_train` and aggregate them."""
         hop = collect(self._pending, replies, self._pending_messages)
+        hop.replies = enforce_clipping(self, self._privacy, hop.replies)
         self.guard.note_rejected(hop.misses)
+        explain_mod_errors(self, self._privacy, hop.misses)
         self._note_silences(hop)
         return self.aggregate_hop(server_round, hop)
 
@@ -403,7 +412,12 @@ class RelayStrategy(Admission, Strategy):
         if not self.history:
             self.guard.begin_round(0)
             self._round_hops, self._placing_hops = [], []
-            self.setup(grid, initial_arrays, train_config)
+            try:
+                self.setup(grid, initial_arrays, train_config)
+            except RuntimeError as error:  # stage 1 heard nothing usable: say why when DP mods refused
+                if (explained := stage_failure(error, self._privacy)) is None:
+                    raise
+                raise explained from error
             self._place_start(grid)
             if guarded := self.guard.round_record():
                 self.setup_record["guard"] = guarded
