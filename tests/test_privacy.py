@@ -173,6 +173,16 @@ def test_local_dp_mod_on_the_model_handlers_runs_with_every_strategy_of_ordinary
     assert hops and all(not hop["misses"] for hop in hops)
 
 
+def test_the_history_check_says_when_it_rejects_updates_drowned_in_local_dp_noise(app):
+    task, client, _ = app
+    np.random.seed(0)
+    strategy = FedAvg()  # history_check on: a noised update shares no direction with its node's last
+    grid = _federation(_client_app(client, model_mods=[LocalDpMod(**LOCAL)]))
+    _start(strategy, grid, ArrayRecord(task.Net().state_dict()), rounds=3)
+    reasons = [miss["reason"] for record in strategy.history for hop in record["hops"] for miss in hop["misses"]]
+    assert reasons and all("drowned in noise" in reason and "history_check=False" in reason for reason in reasons)
+
+
 # ---------------------------------------------------------------------- refused: before any message
 REFUSED = ["SCAFFOLD", "FedCat", "FedSeq", "FedSeqInter", "FedConcat", "FedConcat-ID"]
 
