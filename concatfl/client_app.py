@@ -18,14 +18,16 @@ from flwr.clientapp import ClientApp
 
 from .config import RunConfig
 from .fuzz import fuzz_mod
+from .local_dp import local_dp_mod
 from .fedconcat_client import handle_features, handle_head_training, handle_label_query
 from .objectives import CONTROL_KEY, build_objective
 from .protocol import FEATURES_ACTION, HEAD_ACTION, IDENTITY_QUERY, LABELS_ACTION, PARTITION_ID_KEY
 from .runtime import ClientData, load_client_data, load_data, make_model
 from .training import evaluate, pick_device, train
 
-# The fuzzing mod does nothing unless `fuzz-share` > 0 (run or node config): concatfl.fuzz.
-app = ClientApp(mods=[fuzz_mod])
+# The fuzzing mod does nothing unless `fuzz-share` > 0 (run or node config): concatfl.fuzz. The
+# local DP mod does nothing unless `local-dp-epsilon` > 0: concatfl.local_dp.
+app = ClientApp(mods=[fuzz_mod, local_dp_mod])
 
 
 def client_config(context: Context) -> RunConfig:

@@ -89,6 +89,9 @@ class RunConfig:
     fuzz_kinds: str = "all"
     fuzz_seed: int = 0
     fuzz_log: str = ""
+    local_dp_epsilon: float = 0.0
+    local_dp_delta: float = 1e-5
+    local_dp_clip: float = 1.0
     fedcat_k: int = 0
     fedcat_lambda: int = 2
     fedcat_epsilon: float = 0.5
@@ -160,8 +163,10 @@ class RunConfig:
     def checks_update_history(self) -> bool:
         """`history-check`, except under FedDyn's objective: its linear term corrects each client
         toward the federation, so an honest node's successive updates need not agree (ten clean
-        runs of the robustness bench: 207 of their 2,000 replies would have been rejected)."""
-        return self.history_check and self.local_objective != "feddyn"
+        runs of the robustness bench: 207 of their 2,000 replies would have been rejected); and
+        except with `local-dp-epsilon` > 0: updates drowned in the clients' noise share no
+        direction (docs/privacy.md)."""
+        return self.history_check and self.local_objective != "feddyn" and self.local_dp_epsilon == 0
 
     def validate(self) -> None:
         """Check every value; raise ConfigError naming the first bad key."""
@@ -271,6 +276,15 @@ class RunConfig:
         _open_interval("aggregation-trim", self.aggregation_trim, 0.0, 0.5, closed_low=True)
         _at_least("aggregation-byzantine", self.aggregation_byzantine, 0)
         _open_interval("fuzz-share", self.fuzz_share, 0.0, 1.0, closed_low=True, closed_high=True)
+        _at_least("local-dp-epsilon", self.local_dp_epsilon, 0.0)
+        _open_interval("local-dp-delta", self.local_dp_delta, 0.0, 1.0)
+        _open_interval("local-dp-clip", self.local_dp_clip, 0.0, float("inf"))
+        if self.local_dp_epsilon > 0 and self.strategy == "scaffold":
+            raise ConfigError(
+                "local-dp-epsilon puts Flower's LocalDpMod on the clients, which takes one ArrayRecord; "
+                "strategy='scaffold' sends two (the model and the control variate): use strategy='fedavg' or "
+                "'fedprox' with local DP (docs/privacy.md)"
+            )
         try:
             parse_kinds(self.fuzz_kinds)
         except ValueError as error:

@@ -29,8 +29,11 @@ from flwr.serverapp.strategy import (
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, compute_clip_model_update, compute_stdv
 from flwr.supercore.privacy_accounting import SamplingMethod
 
+from concatfl.config import ConfigError, RunConfig
+from concatfl.local_dp import local_dp_mod
 from concatfl.protocol import FEATURES_ACTION, HEAD_ACTION, HEAD_MESSAGE_TYPE, LABELS_ACTION
-from concatfl.strategies import FedAvg, FedProx
+from concatfl.runtime import ServerEnv
+from concatfl.strategies import FedAvg, FedProx, build_strategy
 from concatfl.strategies.fedcat import FedCat
 from concatfl.strategies.fedconcat import FedConcat
 from concatfl.strategies.feddyn import FedDynServer
@@ -181,6 +184,36 @@ def test_the_history_check_says_when_it_rejects_updates_drowned_in_local_dp_nois
     _start(strategy, grid, ArrayRecord(task.Net().state_dict()), rounds=3)
     reasons = [miss["reason"] for record in strategy.history for hop in record["hops"] for miss in hop["misses"]]
     assert reasons and all("drowned in noise" in reason and "history_check=False" in reason for reason in reasons)
+
+
+def test_concatfls_client_app_puts_local_dp_on_model_replies_only_when_the_run_config_asks():
+    calls = []
+
+    def handler(message, context):
+        calls.append(message.metadata.message_type)
+        arrays = ArrayRecord({"w": Array(message.content["arrays"]["w"].numpy() + 5.0)})
+        return reply_with(message, RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 1})}))
+
+    sent = ArrayRecord({"w": Array(np.zeros(3, np.float32))})
+    context = Context(1, 1, {}, RecordDict(), {"local-dp-epsilon": 1e9, "local-dp-clip": 1.0})
+    message = Message(RecordDict({"arrays": sent, "config": ConfigRecord()}), dst_node_id=1, message_type="train")
+    reply = local_dp_mod(message, context, handler)
+    assert np.linalg.norm(reply.content["arrays"]["w"].numpy()) == pytest.approx(1.0, abs=1e-3)  # clipped to C
+    off = Context(1, 1, {}, RecordDict(), {"local-dp-epsilon": 0.0})
+    assert np.allclose(local_dp_mod(message, off, handler).content["arrays"]["w"].numpy(), 5.0)
+    query = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=1, message_type="query")
+    assert not local_dp_mod(query, context, lambda m, c: reply_with(m, RecordDict())).has_error()
+
+
+def test_the_run_config_refuses_local_dp_with_scaffold_and_turns_the_direction_checks_off():
+    with pytest.raises(ConfigError, match="strategy='scaffold' sends two"):
+        RunConfig.from_mapping({"strategy": "scaffold", "local-dp-epsilon": 1.0})
+    assert RunConfig.from_mapping({}).checks_update_history
+    for name, checks in (("fedseq", lambda s: s.guard.history_check), ("fedconcat", lambda s: s.head_check)):
+        plain = RunConfig.from_mapping({"strategy": name})
+        noised = RunConfig.from_mapping({"strategy": name, "local-dp-epsilon": 1.0})
+        env = ServerEnv.from_config(plain)
+        assert checks(build_strategy(plain, env)) and not checks(build_strategy(noised, env))
 
 
 # ---------------------------------------------------------------------- refused: before any message

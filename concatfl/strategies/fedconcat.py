@@ -501,7 +501,7 @@ def build(config: RunConfig, env: ServerEnv) -> FedConcat:
         classifier_steps=config.fedconcat_classifier_steps,
         init_classifier=config.fedconcat_init_classifier,
         head_memory=config.fedconcat_head_memory,
-        head_check=config.fedconcat_head_check,
+        head_check=config.fedconcat_head_check and config.local_dp_epsilon == 0,  # noised heads: docs/privacy.md
         fraction_train=config.fraction_train,
         aggregation=aggregation_from_config(config),
         feddyn=feddyn_from_config(config, env),
