@@ -112,6 +112,7 @@ class RunConfig:
     fedseq_superclient_epochs: int = 1
     fedseq_hop_step: str = "0.25"
     fedseq_hop_clip: float = 1.5
+    fedseq_witness: bool = True
     fedconcat_clusters: str = "5"
     fedconcat_balanced: bool = False
     fedconcat_dp_epsilon: float = 0.0

@@ -114,6 +114,7 @@ def strategy(cls: type[FedSeq] = FedSeq, **kwargs) -> FedSeq:
         "update_clip": 0.0,
         "weight_clip": 0.0,
         "check_parts": False,
+        "witness": False,
         "seed": 0,
         "round_timeout": 0.5,  # stage 1 waits this long for a silent node's reply
     }
@@ -627,3 +628,58 @@ def test_chains_reach_nodes_with_64_bit_ids():
     grid, _, _ = run(fedseq, clients, rounds=2)
     assert {message.metadata.dst_node_id for message in grid.sent} == set(clients)
     assert all(not hop["misses"] for record in fedseq.history for hop in record["hops"])
+
+
+def test_a_superclient_of_one_client_is_a_fedavg_client_its_hop_taken_whole():
+    clients = clients_for(4, [10, 20, 30, 40])
+    fedseq = strategy(min_samples=1, hop_step=0.25)  # every client a superclient of its own
+    _, models, _ = run(fedseq, clients, 1)
+    start = as_state(initial_arrays())
+    expected = {key: sum((n / 100) * (start[key] + node) for node, n in zip(range(1, 5), [10, 20, 30, 40])) for key in start}
+    assert close(models[1], expected)
+
+
+def witness_run(caplog, rounds: int = 1):
+    """Superclients of two clients, the damped default step, and a server evaluation that scores
+    each model it is asked about higher than the one before: the first hops' model, asked last,
+    wins every comparison."""
+    clients = clients_for(4, [10, 20, 30, 40])
+    fedseq = strategy(min_samples=25, hop_step=0.25, hop_clip=1.5, witness=True)
+    calls, models = [], {}
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord):
+        calls.append(server_round)
+        models.setdefault(server_round, []).append(as_state(arrays))
+        return MetricRecord({"accuracy": len(calls) / 100})
+
+    with caplog.at_level("WARNING"):
+        result = fedseq.start(FakeGrid(clients), initial_arrays(), num_rounds=rounds,
+                              train_config=ConfigRecord({"lr": 0.1}), evaluate_fn=evaluate_fn)
+    return fedseq, clients, calls, models, result
+
+
+def test_the_first_hops_fedavg_round_replaces_chains_that_score_lower_and_the_run_says_so(caplog):
+    fedseq, clients, calls, models, result = witness_run(caplog)
+    record = fedseq.history[0]
+    assert record["witness"]["taken"] == "first hops"
+    assert record["witness"]["first_hops_accuracy"] > record["witness"]["chains_accuracy"]
+    # The first hops, each a whole client update from the start, averaged by examples.
+    start = as_state(initial_arrays())
+    firsts = [entry["order"][0] for entry in record["superclients"]]
+    weights = [clients[node].num_examples for node in firsts]
+    expected = {key: sum(w * (start[key] + node) for node, w in zip(firsts, weights)) / sum(weights) for key in start}
+    assert close(as_state(result.arrays), expected)
+    # Round 1's evaluations: the chains' average and the first hops', and no third: the run's
+    # evaluation of the global model is the witness's score of it.
+    assert calls.count(1) == 2
+    warnings = [r.getMessage() for r in caplog.records if "first hops" in r.getMessage()]
+    assert len(warnings) == 1 and "FedAvg" in warnings[0]
+
+
+def test_between_comparisons_the_last_choice_holds_without_another_evaluation(caplog):
+    fedseq, _, calls, _, _ = witness_run(caplog, rounds=4)
+    compared = ["chains_accuracy" in record["witness"] for record in fedseq.history]
+    assert compared == [True, True, True, False]  # witness_due: aggregations 1-3, then every 5th
+    assert fedseq.history[3]["witness"] == {"taken": "first hops"}
+    warnings = [r.getMessage() for r in caplog.records if "first hops" in r.getMessage()]
+    assert len(warnings) == 1

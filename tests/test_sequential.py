@@ -12,13 +12,19 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from concatfl.core.bounds import REFERENCE_WINDOW
 from concatfl.core.sequential import (
+    CHAINS,
+    FIRST_HOPS,
     STALL_AGGREGATIONS,
     adapt_step,
+    chain_step,
     chance_level,
     diverged,
     divergence,
     even_share,
+    parts_due,
     running_mean_share,
+    witness_choice,
+    witness_due,
 )
 from concatfl.strategies.common import Reply, Request, to_numpy, to_record, train_content
 from concatfl.strategies.guard import ReplyGuard
@@ -159,10 +165,12 @@ def test_guard_check_records_divergence_and_warns_once(caplog):
         "average_accuracy": 0.1,
         "diverged": True,
     }
-    # The start model once, then the two copies and the average at each check.
-    assert evaluated == [0.0, 1.0, -1.0, 0.0, 1.0, -1.0, 0.0]
-    # The hops were counted once: the second check sees none, but the average is still worse.
-    assert "hop_length_ratio" not in second and second["diverged"] is True
+    # The start model once, the average at each check, the copies at the first (`parts_due`).
+    assert evaluated == [0.0, 0.0, 1.0, -1.0, 0.0]
+    # The hops were counted once; the second check scores no copies, so only a stall could warn.
+    assert "hop_length_ratio" not in second and "part_accuracy" not in second and second["diverged"] is False
+    later = [guard.check(start, copies, [1.0, 1.0], record([0.0, 0.0]), evaluate) for _ in range(3)]
+    assert ["part_accuracy" in check for check in later] == [False, False, True]  # the 5th aggregation
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "FedCat" in warnings[0] and "fedcat-hop-clip" in warnings[0] and "0.100" in warnings[0]
@@ -270,3 +278,20 @@ def test_the_running_mean_and_even_shares():
     for share, trained in ((even_share(10, 20), [4.0]), (even_share(10, 20), [6.0])):
         chain = {"w": chain["w"] + share * (model(trained)["w"] - chain["w"])}
     assert chain["w"].tolist() == [4.0]  # 0 → 2 (half the way to 4), then 2 → 4 (half the way to 6)
+
+
+def test_a_chain_of_one_hop_is_taken_whole():
+    assert [chain_step(0.25, hops) for hops in (1, 2, 8)] == [1.0, 0.25, 0.25]
+    assert chain_step(1.0, 1) == 1.0
+
+
+def test_the_witness_compares_at_the_first_three_aggregations_then_every_fifth():
+    assert [aggregation for aggregation in range(1, 21) if witness_due(aggregation)] == [1, 2, 3, 5, 10, 15, 20]
+
+
+def test_the_witness_keeps_the_chains_unless_the_first_hops_score_higher():
+    assert [witness_choice(0.5, 0.5), witness_choice(0.5, 0.51), witness_choice(0.6, 0.5)] == [CHAINS, FIRST_HOPS, CHAINS]
+
+
+def test_the_averaged_models_are_scored_at_the_first_every_fifth_and_the_last_aggregation():
+    assert [aggregation for aggregation in range(1, 13) if parts_due(aggregation, last=aggregation == 12)] == [1, 5, 10, 12]

@@ -124,6 +124,7 @@ PAPER_EXACT = {
     "fedcat-hop-clip": 0.0,
     "fedseq-hop-step": 1.0,
     "fedseq-hop-clip": 0.0,
+    "fedseq-witness": False,
     "update-clip": 0.0,
     "weight-clip": 0.0,
 }

@@ -18,6 +18,12 @@ algorithm exactly. What is here:
 * `divergence`: how far the chains' models ended from each other, relative to how far they
   moved, measured when they are averaged (recorded in metrics.json with the hop-length ratio).
 * `diverged`: the accuracy-based signs that the chains have broken the model (the warning).
+* `chain_step`: a chain of one hop is a FedAvg client, taken whole.
+* `witness_due`, `witness_choice`, `parts_due`: what the server learns each round at little
+  cost: the first hops of FedSeq's chains start from the global model as FedAvg's clients do, so
+  their average is a FedAvg round; with the run's evaluation the server compares it with the
+  chains' average and keeps the better (`witness_due` says when it compares), and scores the
+  averaged models one by one only every few aggregations (`parts_due`).
 
 Models are `{name: numpy array}` mappings; everything here is pure numpy.
 """
@@ -57,6 +63,16 @@ TARGET_HOP_RATIO = 1.3
 STEP_GAIN = 1.0
 # How many recent later hops the ratio is the median of.
 ADAPT_WINDOW = 20
+# The server compares the chains' average with their first hops' (a FedAvg round) at each of the
+# first WITNESS_FIRST aggregations, then every WITNESS_EVERY: one server evaluation more at those
+# rounds; between them it keeps the model the last comparison chose. The averaged models are
+# scored one by one (the divergence check's second sign) at the first aggregation, every
+# PART_CHECK_EVERY and the last.
+WITNESS_FIRST = 3
+WITNESS_EVERY = 5
+PART_CHECK_EVERY = 5
+CHAINS = "chains"
+FIRST_HOPS = "first hops"
 
 
 def running_mean_share(examples: float, held: float) -> float:
@@ -98,6 +114,30 @@ def adapt_step(step: float, hop_ratio: float) -> float:
     than first hops let η grow back to 1 (the papers' algorithm).
     """
     return min(1.0, max(STEP_LOW, step * (TARGET_HOP_RATIO / hop_ratio) ** STEP_GAIN))
+
+
+def chain_step(step: float, chain_hops: int) -> float:
+    """The step of a hop of a chain of `chain_hops` hops: `step`, but 1 for a chain of one hop.
+
+    A chain of one hop starts from the global model and ends there: it is a FedAvg client, and a
+    damped step would only make it FedAvg with a smaller server step (FedSeq with clients larger
+    than its superclient size is such a federation)."""
+    return 1.0 if chain_hops == 1 else step
+
+
+def witness_due(aggregation: int) -> bool:
+    """Whether the `aggregation`-th aggregation (from 1) compares the chains with their first hops."""
+    return aggregation <= WITNESS_FIRST or aggregation % WITNESS_EVERY == 0
+
+
+def witness_choice(chains_accuracy: float, first_hops_accuracy: float) -> str:
+    """CHAINS unless the first hops' FedAvg round scores higher (a tie keeps the chains)."""
+    return FIRST_HOPS if first_hops_accuracy > chains_accuracy else CHAINS
+
+
+def parts_due(aggregation: int, last: bool) -> bool:
+    """Whether the `aggregation`-th aggregation scores the averaged models one by one."""
+    return last or aggregation == 1 or aggregation % PART_CHECK_EVERY == 0
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,7 @@ class RelayStrategy(Admission, Strategy):
         self.after_round: Callable[[int, ArrayRecord, Result], None] | None = None
         self._round_extras: dict[str, Any] = {}
         self._evaluate_fn: EvaluateFn | None = None
+        self._evaluated: dict[tuple[int, int], tuple[ArrayRecord, MetricRecord | None]] = {}  # this round's
         self._pending: list[Request] = []
         self._pending_messages: list[Message] = []
         self._hop_position: tuple[int, int] = (0, 0)
@@ -283,7 +284,15 @@ class RelayStrategy(Admission, Strategy):
         evaluate_fn = self._evaluate_fn
         if evaluate_fn is None:
             return None
-        return lambda arrays: evaluate_fn(server_round, arrays)
+
+        def evaluate(arrays: ArrayRecord) -> MetricRecord | None:
+            # A model evaluated once this round is not evaluated again (a strategy's check scores
+            # the model it then returns as the global one); the record is held so its id stays its own.
+            if (server_round, id(arrays)) not in self._evaluated:
+                self._evaluated[(server_round, id(arrays))] = (arrays, evaluate_fn(server_round, arrays))
+            return self._evaluated[(server_round, id(arrays))][1]
+
+        return evaluate
 
     def record(self, key: str, value: Any) -> None:
         """Add a strategy-specific entry (JSON-ready) to the current round's record."""
@@ -423,7 +432,7 @@ class RelayStrategy(Admission, Strategy):
                 self.setup_record["guard"] = guarded
         for server_round in range(len(self.history) + 1, num_rounds + 1):
             round_started = time.perf_counter()
-            self._round_extras = {}
+            self._round_extras, self._evaluated = {}, {}
             self.guard.begin_round(server_round)
             self._round_hops, self._placing_hops = [], []
             self._admit(grid, server_round)
@@ -464,7 +473,7 @@ class RelayStrategy(Admission, Strategy):
             if changed:
                 result.arrays = arrays
                 if evaluate_fn:
-                    evaluated = evaluate_fn(server_round, arrays)
+                    evaluated = self.evaluate_on_server(server_round)(arrays)  # type: ignore[misc]
                     if evaluated is not None:
                         result.evaluate_metrics_serverapp[server_round] = evaluated
                         record.update(dict(evaluated))

@@ -43,7 +43,7 @@ from .fedavg import sample_count
 from .feddyn import FedDynServer, from_config as feddyn_from_config
 from .fedseq_stage1 import SuperclientStage
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
-from .sequential import DEFAULT_HOP_CLIP, FEDSEQ_HOP_STEP, ChainGuard
+from .sequential import DEFAULT_HOP_CLIP, FEDSEQ_HOP_STEP, ChainGuard, FirstHopWitness
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -169,9 +169,15 @@ class FedSeq(SuperclientStage):
         Diagnostic for simulations: ask every client for its true label counts (a "query"
         message answered with ``metrics["label-counts"]``) and report the superclients'
         balance from them too.
-    hop_step, hop_clip, check_parts (default: 0.5, 1.5, True)
+    hop_step, hop_clip, check_parts (default: 0.25, 1.5, True)
         The server's damped (η; "auto": adapted from the hops' lengths) and bounded (c) hops
-        and its divergence check: see `ChainGuard` and docs/strategies.md. `hop_step=1, hop_clip=0` (with `update_clip=0`) is the paper's algorithm exactly.
+        and its divergence check: see `ChainGuard` and docs/strategies.md. A chain of one client
+        is a FedAvg client: its hop is taken whole. `hop_step=1, hop_clip=0` (with
+        `update_clip=0` and `witness=False`) is the paper's algorithm exactly.
+    witness : bool (default: True)
+        With the run's `evaluate_fn`, compare the chains' average with the FedAvg round their
+        first hops form and keep the better (`FirstHopWitness`; FedSeq without FedDyn only):
+        where chains do worse than FedAvg the run says so and does not fall behind FedAvg's round.
     fraction_evaluate, round_timeout, seed, update_clip, weight_clip, history_check
         See `RelayStrategy`. The pre-training replies are bounded against each other (stream
         "pretrain"): their sample counts are the superclients' weights.
@@ -205,6 +211,7 @@ class FedSeq(SuperclientStage):
         hop_step: float | str = FEDSEQ_HOP_STEP,
         hop_clip: float = DEFAULT_HOP_CLIP,
         check_parts: bool = True,
+        witness: bool = True,
         fraction_evaluate: float = 0.0,
         round_timeout: float | None = None,
         seed: int = 0,
@@ -260,6 +267,9 @@ class FedSeq(SuperclientStage):
         self.report_label_counts = report_label_counts
         keys = ("fedseq-hop-step", "fedseq-hop-clip")
         self.chain = ChainGuard(type(self).__name__, self.guard, hop_step, hop_clip, keys, check_parts)
+        # FedDyn's corrected average is no plain average of first hops: no witness then.
+        self.witness = witness
+        self._witness = FirstHopWitness(type(self).__name__, update_clip) if witness and feddyn is None else None
         self.plan: dict[int, list[int]] = {}  # the superclients: stage 1's, with the nodes placed since
         self.superclients: dict[int, list[int]] = {}  # this round's: the plan's connected members
         self.client_samples: dict[int, int] = {}
@@ -311,8 +321,11 @@ class FedSeq(SuperclientStage):
         held = [float(chains[reply.request.tag].examples) for reply in laters]
         # A chain passes its superclient's data E_S times: that is what its hops fold in all.
         planned = lambda replies: [float(chains[r.request.tag].weight * self.superclient_epochs) for r in replies]  # noqa: E731
-        folded = self.chain.fold(firsts, first_hop=True, planned=planned(firsts))
-        folded += self.chain.fold(laters, first_hop=False, held=held, planned=planned(laters))
+        hops = lambda replies: [chains[r.request.tag].planned for r in replies]  # noqa: E731
+        folded = self.chain.fold(firsts, first_hop=True, planned=planned(firsts), chain_hops=hops(firsts))
+        if self._witness is not None:
+            self._witness.note(firsts, folded)
+        folded += self.chain.fold(laters, first_hop=False, held=held, planned=planned(laters), chain_hops=hops(laters))
         for reply in folded:
             chain = chains[reply.request.tag]
             chain.model = reply.arrays
@@ -352,6 +365,8 @@ class FedSeq(SuperclientStage):
         self._follow_live_nodes(set(self.awake(live_node_ids(grid))))
         self._chains, self._hops_done, self._round_metrics = [], 0, []
         self._round_start = arrays
+        if self._witness is not None:
+            self._witness.begin_round(arrays)
         ids = sorted(self.superclients)
         if not ids:
             log(WARNING, "FedSeq: no superclient left; the round trains nothing")
@@ -379,7 +394,12 @@ class FedSeq(SuperclientStage):
         arrays = [to_numpy(model) for model in models]
         average = self._feddyn_step(self._round_start, arrays, weighted_average(arrays, weights), len(self.superclients))
         self._check_divergence(server_round, self._round_start, models, weights, average)
-        return average
+        if self._witness is None:
+            return average
+        chosen, record = self._witness.choose(server_round, average, self.evaluate_on_server(server_round))
+        if record:
+            self.record("witness", record)
+        return chosen
 
     def _check_divergence(
         self, server_round: int, start: ArrayRecord, models: list[ArrayRecord], weights: list[float], average: ArrayRecord
@@ -421,6 +441,7 @@ class FedSeq(SuperclientStage):
             "exemplars": self._exemplars.copy(),
             "chain": self.chain.state_dict(),
             **({"feddyn": self.feddyn.state_dict()} if self.feddyn is not None else {}),
+            **({"witness": self._witness.state_dict()} if self._witness is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -435,6 +456,8 @@ class FedSeq(SuperclientStage):
         self.chain.load_state_dict(state["chain"])
         if self.feddyn is not None:
             self.feddyn.load_state_dict(state["feddyn"])
+        if self._witness is not None:
+            self._witness.load_state_dict(state["witness"])
         self._announce_exemplars()
 
     def _announce_exemplars(self) -> None:
@@ -459,6 +482,7 @@ class FedSeqInter(FedSeq):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._witness = None  # a slot's first hop continues the slot's model, not the global one
         self._slots: list[ArrayRecord] = []
         self._slot_start: ArrayRecord | None = None  # FedDyn's θ_prev: the model the slots restarted from
         self.slot_samples: list[float] = []
@@ -567,6 +591,7 @@ def build(config: RunConfig, env: ServerEnv) -> FedSeq:
         report_label_counts=config.report_label_counts,
         hop_step=parse_hop_step(config.fedseq_hop_step),
         hop_clip=config.fedseq_hop_clip,
+        witness=config.fedseq_witness,
         fraction_evaluate=config.fraction_evaluate,
         round_timeout=config.timeout,
         seed=config.seed,

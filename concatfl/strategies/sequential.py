@@ -16,24 +16,31 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from logging import WARNING
+from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.supercore import log
 
+from ..core.bounds import bound_share, move
 from ..core.sequential import (
     ADAPT_WINDOW,
+    CHAINS,
+    FIRST_HOPS,
     STEP_START,
     adapt_step,
+    chain_step,
     chance_level,
     diverged,
     divergence,
+    parts_due,
     running_mean_share,
     even_share,
+    witness_choice,
+    witness_due,
 )
-from .common import Reply, to_numpy
+from .common import Reply, to_numpy, weighted_average
 from .guard import ReplyGuard
 
 Evaluate = Callable[[ArrayRecord], MetricRecord | None]
@@ -79,9 +86,10 @@ class ChainGuard:
     keys : tuple[str, str]
         The run-config keys of `hop_step` and `hop_clip`, named in the warning.
     check_parts : bool
-        Evaluate the averaged models, their average and (once) the model the run started from
-        with the run's `evaluate_fn`: the warning's signs need these accuracies. Costs one server
-        evaluation per averaged model.
+        Evaluate the average of the averaged models at every aggregation, the models themselves
+        at the first, every `core.sequential.PART_CHECK_EVERY`-th and the last, and (once) the
+        model the run started from, with the run's `evaluate_fn`: the warning's signs need these
+        accuracies (the average's is the global model's, which the run evaluates anyway).
     """
 
     # pylint: disable=too-many-arguments
@@ -118,8 +126,14 @@ class ChainGuard:
         self._start_checked = False
         self._warned = False
 
+    # pylint: disable=too-many-arguments
     def fold(
-        self, replies: Sequence[Reply], first_hop: bool, held: Sequence[float] = (), planned: Sequence[float] = ()
+        self,
+        replies: Sequence[Reply],
+        first_hop: bool,
+        held: Sequence[float] = (),
+        planned: Sequence[float] = (),
+        chain_hops: Sequence[int] = (),
     ) -> list[Reply]:
         """The replies, each now holding the travelling model it makes: what was sent moved by
         s·(returned − sent) (a reply within every bound at η = 1 is returned as it is).
@@ -127,7 +141,8 @@ class ChainGuard:
         join the reference instead of being bounded by `hop_clip`). For the rules that weigh a
         hop by its examples: `held[i]`, the examples reply i's travelling model holds already
         (`hop_step='mean'`; 0 for a first hop), and `planned[i]`, the examples its chain folds in
-        all (`hop_step='even'`)."""
+        all (`hop_step='even'`). `chain_hops[i]`: the hops of reply i's chain; a chain of one hop is
+        taken whole (`core.sequential.chain_step`)."""
         step: float | Callable[[int, int], float] = self.step
         if self.hop_step == MEAN:
             before = list(held) or [0.0] * len(replies)
@@ -135,6 +150,11 @@ class ChainGuard:
         elif self.hop_step == EVEN:
             chain = list(planned)
             step = lambda index, examples: even_share(examples, chain[index])  # noqa: E731
+        if any(hops == 1 for hops in chain_hops):
+            rule, lengths = step, list(chain_hops)
+            step = lambda index, examples: chain_step(  # noqa: E731
+                rule(index, examples) if callable(rule) else rule, lengths[index]
+            )
         folded = self.replies.bound(
             replies, step=step, hop_clip=0.0 if first_hop else self.hop_clip, joins=first_hop
         )
@@ -178,12 +198,13 @@ class ChainGuard:
         average_accuracy, part_accuracies = None, []
         if self.check_parts and evaluate is not None:
             self._measure_start(start, evaluate)
-            scores = [_accuracy(evaluate(model)) for model in models]
-            average_score = _accuracy(evaluate(average))
-            if average_score is not None and None not in scores:
-                average_accuracy, part_accuracies = average_score, [float(a) for a in scores if a is not None]
-                record["part_accuracy"] = [round(a, 4) for a in part_accuracies]
+            average_accuracy = _accuracy(evaluate(average))
+            if average_accuracy is not None:
                 record["average_accuracy"] = round(average_accuracy, 4)
+            scores = [_accuracy(evaluate(model)) for model in models] if parts_due(self._aggregations, last) else []
+            if average_accuracy is not None and scores and None not in scores:
+                part_accuracies = [float(a) for a in scores if a is not None]
+                record["part_accuracy"] = [round(a, 4) for a in part_accuracies]
         if self.hop_step == AUTO:
             used = self.step
             # A client's own first hop is the fairer yardstick (clients differ in data and so in
@@ -263,6 +284,84 @@ class ChainGuard:
         self._chance = None if state["chance"] is None else float(state["chance"])
         self._start_checked = bool(state["start_checked"])
         self._warned = bool(state["warned"])
+
+
+class FirstHopWitness:
+    """FedSeq's comparison of its chains with the FedAvg round their first hops form.
+
+    Every chain's first hop starts from the round's global model, as a FedAvg client does: the
+    examples-weighted average of the first hops, each bounded as every reply is but taken whole,
+    is the FedAvg round of those clients, which the server gets at no cost in training or traffic.
+    With the run's `evaluate_fn` the server scores both models at the aggregations
+    `core.sequential.witness_due` names and keeps the better as the global model
+    (`witness_choice`), and the choice of the last comparison in between; it warns once the first
+    time the chains lose. Without an `evaluate_fn` it keeps the chains and says so once.
+    Recorded per round under ``witness``.
+    """
+
+    def __init__(self, strategy: str, update_clip: float) -> None:
+        self.strategy = strategy
+        self.update_clip = update_clip
+        self.choice = CHAINS
+        self._rounds = 0
+        self._lost = 0
+        self._start: dict[str, np.ndarray] = {}
+        self._told = False
+        self._models: list[dict[str, np.ndarray]] = []
+        self._weights: list[float] = []
+
+    def begin_round(self, start: ArrayRecord) -> None:
+        """A round starts from the global model `start`: forget the last round's first hops."""
+        self._start, self._models, self._weights = to_numpy(start), [], []
+
+    def note(self, sent: Sequence[Reply], folded: Sequence[Reply]) -> None:
+        """Keep the first hops `folded` (the guard's bounded copies of the replies `sent`) whole:
+        the round's start moved by the share of each update the reply bounds leave at step 1."""
+        received = {id(reply.request): reply for reply in sent}
+        for reply in folded:
+            whole = bound_share(reply.length or 0.0, reply.reference, self.update_clip, 1.0)
+            self._models.append(move(self._start, received[id(reply.request)].numpy(), whole))
+            self._weights.append(float(reply.num_examples))
+
+    def choose(self, server_round: int, chains: ArrayRecord, evaluate: Evaluate | None) -> tuple[ArrayRecord, dict[str, Any]]:
+        """The round's global model (`chains`, the chains' average, or the first hops') and its record."""
+        if not self._models:
+            return chains, {}
+        if evaluate is None:
+            if not self._told:
+                self._told = True
+                log(INFO, "%s: without an evaluate_fn the chains are not compared with the FedAvg round their first "
+                    "hops form; a federation where the chains do worse than FedAvg goes unnoticed", self.strategy)
+            return chains, {}
+        self._rounds += 1
+        first_hops = weighted_average(self._models, self._weights)
+        record: dict[str, Any] = {}
+        if witness_due(self._rounds):
+            chains_accuracy, first_accuracy = _accuracy(evaluate(chains)), _accuracy(evaluate(first_hops))
+            if chains_accuracy is not None and first_accuracy is not None:
+                self.choice = witness_choice(chains_accuracy, first_accuracy)
+                record = {"chains_accuracy": round(chains_accuracy, 4), "first_hops_accuracy": round(first_accuracy, 4)}
+                if self.choice == FIRST_HOPS:
+                    self._lost += 1
+                    if self._lost == 1:
+                        log(WARNING, "%s: in round %s the FedAvg round formed by the chains' first hops scores %.4f, the "
+                            "chains' average %.4f: here the chains do worse than FedAvg (clients that train long "
+                            "enough to overwrite what the chain learned, or superclients too small to gain). The "
+                            "server keeps the better of the two each round (recorded as 'witness'); FedAvg with every "
+                            "node may do better still. This warning is logged once per run.",
+                            self.strategy, server_round, first_accuracy, chains_accuracy)
+        record["taken"] = self.choice
+        return (first_hops if self.choice == FIRST_HOPS else chains), record
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last choice and the counts: a resumed run chooses as this one would."""
+        return {"choice": self.choice, "rounds": self._rounds, "lost": self._lost, "told": self._told}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output."""
+        self.choice = str(state["choice"])
+        self._rounds, self._lost = int(state["rounds"]), int(state["lost"])
+        self._told = bool(state["told"])
 
 
 def _accuracy(metrics: MetricRecord | None) -> float | None:
