@@ -82,10 +82,13 @@ def _expected_aggregate(rounds: list[dict], start: dict[str, np.ndarray], skip: 
 
 
 def _run(strategy: FedCat, grid: FakeGrid, rounds: int, start: dict[str, np.ndarray] = INITIAL):
+    """The run's result and the rounds in which the server evaluated (once each: an aggregation
+    also scores the first hops' FedAvg round, `FirstHopWitness`)."""
     evaluated: list[int] = []
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        evaluated.append(server_round)
+        if evaluated[-1:] != [server_round]:
+            evaluated.append(server_round)
         return MetricRecord({"accuracy": 0.0})
 
     result = strategy.start(
@@ -450,3 +453,22 @@ def test_fedcat_end_to_end_on_digits(tmp_path):
     # The model must learn from two cycles.
     assert metrics["final_loss"] < metrics["initial"]["loss"]
     assert metrics["final_accuracy"] > 0.2
+
+
+def test_copies_that_score_below_one_fedavg_round_of_their_first_hops_twice_are_warned_about(caplog):
+    strategy = FedCat(k=3, seed=0)
+    scores = iter([0.1, 0.2, 0.5, 0.3, 0.6])  # the start, then per cycle: the copies' average, the first hops'
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        return MetricRecord({"accuracy": next(scores)})
+
+    with caplog.at_level("WARNING"):
+        result = strategy.start(_grid([1, 2, 3, 4, 5, 6]), _record(INITIAL), num_rounds=6, train_config=TRAIN_CONFIG,
+                                evaluate_fn=evaluate)
+    assert [strategy.history[r].get("witness") for r in (2, 5)] == [
+        {"chains_accuracy": 0.2, "first_hops_accuracy": 0.5},
+        {"chains_accuracy": 0.3, "first_hops_accuracy": 0.6},
+    ]
+    warnings = [r.getMessage() for r in caplog.records if "FedAvg(fraction_train=K/N)" in r.getMessage()]
+    assert len(warnings) == 1 and "round 6" in warnings[0]
+    assert result.evaluate_metrics_serverapp[6]["accuracy"] == 0.3  # FedCat keeps its own average

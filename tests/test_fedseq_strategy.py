@@ -639,47 +639,39 @@ def test_a_superclient_of_one_client_is_a_fedavg_client_its_hop_taken_whole():
     assert close(models[1], expected)
 
 
-def witness_run(caplog, rounds: int = 1):
-    """Superclients of two clients, the damped default step, and a server evaluation that scores
-    each model it is asked about higher than the one before: the first hops' model, asked last,
-    wins every comparison."""
+def witness_run(caplog, rounds: int, scores: list[float]):
+    """Superclients of two clients and the damped default step; the server's evaluation answers
+    `scores` in turn (the start model's first)."""
     clients = clients_for(4, [10, 20, 30, 40])
     fedseq = strategy(min_samples=25, hop_step=0.25, hop_clip=1.5, witness=True)
-    calls, models = [], {}
+    answers = iter(scores)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord):
-        calls.append(server_round)
-        models.setdefault(server_round, []).append(as_state(arrays))
-        return MetricRecord({"accuracy": len(calls) / 100})
+        return MetricRecord({"accuracy": next(answers)})
 
     with caplog.at_level("WARNING"):
         result = fedseq.start(FakeGrid(clients), initial_arrays(), num_rounds=rounds,
                               train_config=ConfigRecord({"lr": 0.1}), evaluate_fn=evaluate_fn)
-    return fedseq, clients, calls, models, result
-
-
-def test_the_first_hops_fedavg_round_replaces_chains_that_score_lower_and_the_run_says_so(caplog):
-    fedseq, clients, calls, models, result = witness_run(caplog)
-    record = fedseq.history[0]
-    assert record["witness"]["taken"] == "first hops"
-    assert record["witness"]["first_hops_accuracy"] > record["witness"]["chains_accuracy"]
-    # The first hops, each a whole client update from the start, averaged by examples.
-    start = as_state(initial_arrays())
-    firsts = [entry["order"][0] for entry in record["superclients"]]
-    weights = [clients[node].num_examples for node in firsts]
-    expected = {key: sum(w * (start[key] + node) for node, w in zip(firsts, weights)) / sum(weights) for key in start}
-    assert close(as_state(result.arrays), expected)
-    # Round 1's evaluations: the chains' average and the first hops', and no third: the run's
-    # evaluation of the global model is the witness's score of it.
-    assert calls.count(1) == 2
     warnings = [r.getMessage() for r in caplog.records if "first hops" in r.getMessage()]
-    assert len(warnings) == 1 and "FedAvg" in warnings[0]
+    return fedseq, result, warnings
 
 
-def test_between_comparisons_the_last_choice_holds_without_another_evaluation(caplog):
-    fedseq, _, calls, _, _ = witness_run(caplog, rounds=4)
-    compared = ["chains_accuracy" in record["witness"] for record in fedseq.history]
-    assert compared == [True, True, True, False]  # witness_due: aggregations 1-3, then every 5th
-    assert fedseq.history[3]["witness"] == {"taken": "first hops"}
-    warnings = [r.getMessage() for r in caplog.records if "first hops" in r.getMessage()]
-    assert len(warnings) == 1
+def test_chains_that_lose_to_their_first_hops_fedavg_round_twice_in_a_row_are_warned_about(caplog):
+    # Per round: the chains' average (which is also the round's evaluation), then the first hops'.
+    fedseq, result, warnings = witness_run(caplog, 2, [0.1, 0.30, 0.40, 0.35, 0.45])
+    assert [record["witness"] for record in fedseq.history] == [
+        {"chains_accuracy": 0.3, "first_hops_accuracy": 0.4},
+        {"chains_accuracy": 0.35, "first_hops_accuracy": 0.45},
+    ]
+    assert result.evaluate_metrics_serverapp[2]["accuracy"] == 0.35  # the global model stays the chains'
+    assert len(warnings) == 1 and "round 2" in warnings[0] and "2 comparisons in a row" in warnings[0]
+
+
+def test_a_loss_within_the_margin_or_not_in_a_row_is_no_warning(caplog):
+    _, _, warnings = witness_run(caplog, 3, [0.1, 0.30, 0.40, 0.35, 0.36, 0.40, 0.50])
+    assert warnings == []
+
+
+def test_between_comparisons_nothing_more_is_evaluated(caplog):
+    fedseq, _, _ = witness_run(caplog, 4, [0.1] + [0.2] * 7)  # 1 + 2 × 3 compared rounds + 1
+    assert ["witness" in record for record in fedseq.history] == [True, True, True, False]

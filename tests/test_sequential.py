@@ -12,8 +12,6 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from concatfl.core.bounds import REFERENCE_WINDOW
 from concatfl.core.sequential import (
-    CHAINS,
-    FIRST_HOPS,
     STALL_AGGREGATIONS,
     adapt_step,
     chain_step,
@@ -23,8 +21,8 @@ from concatfl.core.sequential import (
     even_share,
     parts_due,
     running_mean_share,
-    witness_choice,
     witness_due,
+    witness_lost,
 )
 from concatfl.strategies.common import Reply, Request, to_numpy, to_record, train_content
 from concatfl.strategies.guard import ReplyGuard
@@ -289,8 +287,8 @@ def test_the_witness_compares_at_the_first_three_aggregations_then_every_fifth()
     assert [aggregation for aggregation in range(1, 21) if witness_due(aggregation)] == [1, 2, 3, 5, 10, 15, 20]
 
 
-def test_the_witness_keeps_the_chains_unless_the_first_hops_score_higher():
-    assert [witness_choice(0.5, 0.5), witness_choice(0.5, 0.51), witness_choice(0.6, 0.5)] == [CHAINS, FIRST_HOPS, CHAINS]
+def test_the_chains_lose_a_comparison_only_by_more_than_the_margin():
+    assert [witness_lost(0.5, 0.52), witness_lost(0.5, 0.53), witness_lost(0.6, 0.5)] == [False, True, False]
 
 
 def test_the_averaged_models_are_scored_at_the_first_every_fifth_and_the_last_aggregation():

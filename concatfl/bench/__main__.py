@@ -21,7 +21,7 @@ from ..data.datasets import DATASETS
 from ..deployment.cli import plain_flower_logs
 from ..deployment.processes import exit_on_signals
 from ..launch import parse_overrides
-from . import overhead, robustness, scale, soak, stability
+from . import overhead, robustness, scale, soak, stability, swap
 from .inprocess import simulate_in_process
 from .report import write_report
 from .runner import BenchError, cell_config, run_suite, select_cells, simulate_with_flower
@@ -29,7 +29,7 @@ from .suites import BLUEPRINTS, SCALES, SUITE_NAMES, Suite, get_suite
 
 
 # Suites built in code of their own (one scale each), by name.
-OWN_SUITES = {**stability.SUITES, robustness.SUITE: robustness.suite}
+OWN_SUITES = {**stability.SUITES, robustness.SUITE: robustness.suite, swap.SUITE: swap.suite}
 
 
 def parse_data_dirs(values: list[str]) -> dict[str, Path]:

@@ -19,11 +19,11 @@ algorithm exactly. What is here:
   moved, measured when they are averaged (recorded in metrics.json with the hop-length ratio).
 * `diverged`: the accuracy-based signs that the chains have broken the model (the warning).
 * `chain_step`: a chain of one hop is a FedAvg client, taken whole.
-* `witness_due`, `witness_choice`, `parts_due`: what the server learns each round at little
-  cost: the first hops of FedSeq's chains start from the global model as FedAvg's clients do, so
+* `witness_due`, `witness_lost`, `parts_due`: what the server learns at little cost: the first
+  hops of the chains start from the model the chains started from, as FedAvg's clients do, so
   their average is a FedAvg round; with the run's evaluation the server compares it with the
-  chains' average and keeps the better (`witness_due` says when it compares), and scores the
-  averaged models one by one only every few aggregations (`parts_due`).
+  chains' average (`witness_due` says when, `witness_lost` who lost), and scores the averaged
+  models one by one only every few aggregations (`parts_due`).
 
 Models are `{name: numpy array}` mappings; everything here is pure numpy.
 """
@@ -64,15 +64,16 @@ STEP_GAIN = 1.0
 # How many recent later hops the ratio is the median of.
 ADAPT_WINDOW = 20
 # The server compares the chains' average with their first hops' (a FedAvg round) at each of the
-# first WITNESS_FIRST aggregations, then every WITNESS_EVERY: one server evaluation more at those
-# rounds; between them it keeps the model the last comparison chose. The averaged models are
-# scored one by one (the divergence check's second sign) at the first aggregation, every
-# PART_CHECK_EVERY and the last.
+# first WITNESS_FIRST aggregations, then every WITNESS_EVERY: one server evaluation more each.
+# The chains lose a comparison when the first hops score more than WITNESS_MARGIN above them
+# (early rounds near chance differ by noise), and the run warns after LOSSES_TO_WARN in a row.
+# The averaged models are scored one by one (the divergence check's second sign) at the first
+# aggregation, every PART_CHECK_EVERY and the last.
 WITNESS_FIRST = 3
 WITNESS_EVERY = 5
+WITNESS_MARGIN = 0.02
+LOSSES_TO_WARN = 2
 PART_CHECK_EVERY = 5
-CHAINS = "chains"
-FIRST_HOPS = "first hops"
 
 
 def running_mean_share(examples: float, held: float) -> float:
@@ -130,9 +131,9 @@ def witness_due(aggregation: int) -> bool:
     return aggregation <= WITNESS_FIRST or aggregation % WITNESS_EVERY == 0
 
 
-def witness_choice(chains_accuracy: float, first_hops_accuracy: float) -> str:
-    """CHAINS unless the first hops' FedAvg round scores higher (a tie keeps the chains)."""
-    return FIRST_HOPS if first_hops_accuracy > chains_accuracy else CHAINS
+def witness_lost(chains_accuracy: float, first_hops_accuracy: float) -> bool:
+    """Whether the chains lost the comparison: the first hops score more than WITNESS_MARGIN above."""
+    return first_hops_accuracy > chains_accuracy + WITNESS_MARGIN
 
 
 def parts_due(aggregation: int, last: bool) -> bool:

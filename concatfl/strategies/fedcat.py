@@ -43,7 +43,7 @@ from .common import (
 from .feddyn import FedDynServer, from_config as feddyn_from_config
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
 from .membership import RETURNED
-from .sequential import DEFAULT_HOP_CLIP, FEDCAT_HOP_STEP, ChainGuard
+from .sequential import DEFAULT_HOP_CLIP, FEDCAT_HOP_STEP, ChainGuard, FirstHopWitness
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -172,6 +172,8 @@ class FedCat(RelayStrategy):
         self.feddyn = feddyn
         keys = ("fedcat-hop-step", "fedcat-hop-clip")
         self.chain = ChainGuard("FedCat", self.guard, hop_step, hop_clip, keys, check_parts)
+        self._witness = FirstHopWitness("FedCat", update_clip, "Its copies are averaged once per cycle of K rounds, where "
+                                        "FedAvg(fraction_train=K/N) averages every round: that, or FedSeq, should do better.")
         # The algorithm's state (all saved by `state_dict`); K is fixed at the first round.
         self._k: int | None = None
         self._round_index = 0  # r, counted from when the current K took effect
@@ -238,6 +240,7 @@ class FedCat(RelayStrategy):
             self._copies = [global_arrays] * k
             self._data_sizes = np.zeros(k, dtype=np.int64)
             self._cycle_start = global_arrays
+            self._witness.begin(global_arrays)
         plan = dispatch(self._selected, offset)
         self.record("k", k)
         self.record("offset", offset)
@@ -284,6 +287,7 @@ class FedCat(RelayStrategy):
         k = self._require_k()
         planned = lambda replies: [float(k * r.num_examples) for r in replies]  # noqa: E731
         folded = self.chain.fold(firsts, first_hop=True, planned=planned(firsts))
+        self._witness.note(firsts, folded)
         folded += self.chain.fold(laters, first_hop=False, held=held, planned=planned(laters))
         for reply in folded:
             self._copies[reply.request.tag] = reply.arrays
@@ -321,6 +325,7 @@ class FedCat(RelayStrategy):
             "data_sizes": self._data_sizes.copy(),
             "cycle_start": None if self._cycle_start is None else to_numpy(self._cycle_start),
             "chain": self.chain.state_dict(),
+            "witness": self._witness.state_dict(),
         }
         if self.feddyn is not None:
             state["feddyn"] = self.feddyn.state_dict()
@@ -340,6 +345,7 @@ class FedCat(RelayStrategy):
         start = saved.get("cycle_start")
         self._cycle_start = None if start is None else to_record(start)
         self.chain.load_state_dict(saved["chain"])
+        self._witness.load_state_dict(saved["witness"])
         if self.feddyn is not None:
             self.feddyn.load_state_dict(state["feddyn"])
 
@@ -420,6 +426,9 @@ class FedCat(RelayStrategy):
                 last=server_round == self.last_round,
             ),
         )
+        if self.feddyn is None:  # FedDyn's corrected average is no plain average to compare
+            if compared := self._witness.compare(server_round, averaged, self.evaluate_on_server(server_round)):
+                self.record("witness", compared)
         return averaged
 
 

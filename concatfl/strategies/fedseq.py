@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     from ..runtime import ServerEnv
 
 APPROXIMATORS = ("conf", "clf")
+SEQ_ADVICE = ("FedAvg with every node may do better; so may superclients of other sizes (min_samples) or a smaller "
+              "hop step.")
 
 
 @dataclass
@@ -173,11 +175,11 @@ class FedSeq(SuperclientStage):
         The server's damped (η; "auto": adapted from the hops' lengths) and bounded (c) hops
         and its divergence check: see `ChainGuard` and docs/strategies.md. A chain of one client
         is a FedAvg client: its hop is taken whole. `hop_step=1, hop_clip=0` (with
-        `update_clip=0` and `witness=False`) is the paper's algorithm exactly.
+        `update_clip=0`) is the paper's algorithm exactly.
     witness : bool (default: True)
         With the run's `evaluate_fn`, compare the chains' average with the FedAvg round their
-        first hops form and keep the better (`FirstHopWitness`; FedSeq without FedDyn only):
-        where chains do worse than FedAvg the run says so and does not fall behind FedAvg's round.
+        first hops form now and then, and warn when the chains keep losing (`FirstHopWitness`;
+        FedSeq without FedDyn only): a federation where they do worse than FedAvg is said in the log.
     fraction_evaluate, round_timeout, seed, update_clip, weight_clip, history_check
         See `RelayStrategy`. The pre-training replies are bounded against each other (stream
         "pretrain"): their sample counts are the superclients' weights.
@@ -269,7 +271,7 @@ class FedSeq(SuperclientStage):
         self.chain = ChainGuard(type(self).__name__, self.guard, hop_step, hop_clip, keys, check_parts)
         # FedDyn's corrected average is no plain average of first hops: no witness then.
         self.witness = witness
-        self._witness = FirstHopWitness(type(self).__name__, update_clip) if witness and feddyn is None else None
+        self._witness = FirstHopWitness(type(self).__name__, update_clip, SEQ_ADVICE) if witness and feddyn is None else None
         self.plan: dict[int, list[int]] = {}  # the superclients: stage 1's, with the nodes placed since
         self.superclients: dict[int, list[int]] = {}  # this round's: the plan's connected members
         self.client_samples: dict[int, int] = {}
@@ -366,7 +368,7 @@ class FedSeq(SuperclientStage):
         self._chains, self._hops_done, self._round_metrics = [], 0, []
         self._round_start = arrays
         if self._witness is not None:
-            self._witness.begin_round(arrays)
+            self._witness.begin(arrays)
         ids = sorted(self.superclients)
         if not ids:
             log(WARNING, "FedSeq: no superclient left; the round trains nothing")
@@ -394,12 +396,10 @@ class FedSeq(SuperclientStage):
         arrays = [to_numpy(model) for model in models]
         average = self._feddyn_step(self._round_start, arrays, weighted_average(arrays, weights), len(self.superclients))
         self._check_divergence(server_round, self._round_start, models, weights, average)
-        if self._witness is None:
-            return average
-        chosen, record = self._witness.choose(server_round, average, self.evaluate_on_server(server_round))
-        if record:
-            self.record("witness", record)
-        return chosen
+        if self._witness is not None and (compared := self._witness.compare(
+                server_round, average, self.evaluate_on_server(server_round))):
+            self.record("witness", compared)
+        return average
 
     def _check_divergence(
         self, server_round: int, start: ArrayRecord, models: list[ArrayRecord], weights: list[float], average: ArrayRecord

@@ -26,8 +26,7 @@ from flwr.supercore import log
 from ..core.bounds import bound_share, move
 from ..core.sequential import (
     ADAPT_WINDOW,
-    CHAINS,
-    FIRST_HOPS,
+    LOSSES_TO_WARN,
     STEP_START,
     adapt_step,
     chain_step,
@@ -37,8 +36,8 @@ from ..core.sequential import (
     parts_due,
     running_mean_share,
     even_share,
-    witness_choice,
     witness_due,
+    witness_lost,
 )
 from .common import Reply, to_numpy, weighted_average
 from .guard import ReplyGuard
@@ -287,82 +286,79 @@ class ChainGuard:
 
 
 class FirstHopWitness:
-    """FedSeq's comparison of its chains with the FedAvg round their first hops form.
+    """What a sequential strategy's chains gain over the FedAvg round their first hops form.
 
-    Every chain's first hop starts from the round's global model, as a FedAvg client does: the
-    examples-weighted average of the first hops, each bounded as every reply is but taken whole,
-    is the FedAvg round of those clients, which the server gets at no cost in training or traffic.
-    With the run's `evaluate_fn` the server scores both models at the aggregations
-    `core.sequential.witness_due` names and keeps the better as the global model
-    (`witness_choice`), and the choice of the last comparison in between; it warns once the first
-    time the chains lose. Without an `evaluate_fn` it keeps the chains and says so once.
-    Recorded per round under ``witness``.
+    Every chain's first hop starts from the model the chains started from, as a FedAvg client
+    does: the examples-weighted average of the first hops, each bounded as every reply is but taken
+    whole, is a FedAvg round of those clients, which the server gets at no cost in training or
+    traffic. With the run's `evaluate_fn` the server scores it beside the chains' average at the
+    aggregations `core.sequential.witness_due` names (one evaluation more each) and records both
+    (``witness``); when the chains lose by more than `core.sequential.WITNESS_MARGIN` at
+    `LOSSES_TO_WARN` comparisons in a row it warns, once: the federation is not the method's
+    regime. The global model is never replaced: the first hops are only as many clients as there
+    are chains, a sample too small to stand for FedAvg's round. Without an `evaluate_fn` nothing
+    is compared, which the run says once.
     """
 
-    def __init__(self, strategy: str, update_clip: float) -> None:
+    def __init__(self, strategy: str, update_clip: float, advice: str) -> None:
         self.strategy = strategy
         self.update_clip = update_clip
-        self.choice = CHAINS
-        self._rounds = 0
-        self._lost = 0
-        self._start: dict[str, np.ndarray] = {}
+        self.advice = advice
+        self._aggregations = 0
+        self._streak = 0  # comparisons in a row the chains lost
+        self._warned = False
         self._told = False
+        self._start: dict[str, np.ndarray] = {}
         self._models: list[dict[str, np.ndarray]] = []
         self._weights: list[float] = []
 
-    def begin_round(self, start: ArrayRecord) -> None:
-        """A round starts from the global model `start`: forget the last round's first hops."""
+    def begin(self, start: ArrayRecord) -> None:
+        """The chains start from `start`: forget the last first hops."""
         self._start, self._models, self._weights = to_numpy(start), [], []
 
     def note(self, sent: Sequence[Reply], folded: Sequence[Reply]) -> None:
         """Keep the first hops `folded` (the guard's bounded copies of the replies `sent`) whole:
-        the round's start moved by the share of each update the reply bounds leave at step 1."""
+        the start moved by the share of each update the reply bounds leave at step 1."""
         received = {id(reply.request): reply for reply in sent}
         for reply in folded:
             whole = bound_share(reply.length or 0.0, reply.reference, self.update_clip, 1.0)
             self._models.append(move(self._start, received[id(reply.request)].numpy(), whole))
             self._weights.append(float(reply.num_examples))
 
-    def choose(self, server_round: int, chains: ArrayRecord, evaluate: Evaluate | None) -> tuple[ArrayRecord, dict[str, Any]]:
-        """The round's global model (`chains`, the chains' average, or the first hops') and its record."""
+    def compare(self, server_round: int, chains: ArrayRecord, evaluate: Evaluate | None) -> dict[str, Any]:
+        """The record of this aggregation's comparison ({} when none is due or possible)."""
         if not self._models:
-            return chains, {}
+            return {}
         if evaluate is None:
             if not self._told:
                 self._told = True
                 log(INFO, "%s: without an evaluate_fn the chains are not compared with the FedAvg round their first "
-                    "hops form; a federation where the chains do worse than FedAvg goes unnoticed", self.strategy)
-            return chains, {}
-        self._rounds += 1
+                    "hops form; a federation where they do worse than FedAvg goes unnoticed", self.strategy)
+            return {}
+        self._aggregations += 1
+        if not witness_due(self._aggregations):
+            return {}
         first_hops = weighted_average(self._models, self._weights)
-        record: dict[str, Any] = {}
-        if witness_due(self._rounds):
-            chains_accuracy, first_accuracy = _accuracy(evaluate(chains)), _accuracy(evaluate(first_hops))
-            if chains_accuracy is not None and first_accuracy is not None:
-                self.choice = witness_choice(chains_accuracy, first_accuracy)
-                record = {"chains_accuracy": round(chains_accuracy, 4), "first_hops_accuracy": round(first_accuracy, 4)}
-                if self.choice == FIRST_HOPS:
-                    self._lost += 1
-                    if self._lost == 1:
-                        log(WARNING, "%s: in round %s the FedAvg round formed by the chains' first hops scores %.4f, the "
-                            "chains' average %.4f: here the chains do worse than FedAvg (clients that train long "
-                            "enough to overwrite what the chain learned, or superclients too small to gain). The "
-                            "server keeps the better of the two each round (recorded as 'witness'); FedAvg with every "
-                            "node may do better still. This warning is logged once per run.",
-                            self.strategy, server_round, first_accuracy, chains_accuracy)
-        record["taken"] = self.choice
-        return (first_hops if self.choice == FIRST_HOPS else chains), record
+        chains_accuracy, first_accuracy = _accuracy(evaluate(chains)), _accuracy(evaluate(first_hops))
+        if chains_accuracy is None or first_accuracy is None:
+            return {}
+        self._streak = self._streak + 1 if witness_lost(chains_accuracy, first_accuracy) else 0
+        if self._streak >= LOSSES_TO_WARN and not self._warned:
+            self._warned = True
+            log(WARNING, "%s: in round %s the chains' average scores %.4f, one FedAvg round of the chains' first clients "
+                "from the same model %.4f (their first hops), behind it at %d comparisons in a row: here %s does "
+                "worse than FedAvg. %s Each comparison is recorded as 'witness'; this warning is logged once per run.",
+                self.strategy, server_round, chains_accuracy, first_accuracy, self._streak, self.strategy, self.advice)
+        return {"chains_accuracy": round(chains_accuracy, 4), "first_hops_accuracy": round(first_accuracy, 4)}
 
     def state_dict(self) -> dict[str, Any]:
-        """The last choice and the counts: a resumed run chooses as this one would."""
-        return {"choice": self.choice, "rounds": self._rounds, "lost": self._lost, "told": self._told}
+        """The counts: a resumed run compares and warns as this one would."""
+        return {"aggregations": self._aggregations, "streak": self._streak, "warned": self._warned, "told": self._told}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s output."""
-        self.choice = str(state["choice"])
-        self._rounds, self._lost = int(state["rounds"]), int(state["lost"])
-        self._told = bool(state["told"])
-
+        self._aggregations, self._streak = int(state["aggregations"]), int(state["streak"])
+        self._warned, self._told = bool(state["warned"]), bool(state["told"])
 
 def _accuracy(metrics: MetricRecord | None) -> float | None:
     if metrics is None or "accuracy" not in metrics:

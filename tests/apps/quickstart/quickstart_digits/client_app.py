@@ -10,7 +10,7 @@ from concatfl.fuzz import fuzz_mod
 from concatfl.protocol import FEATURES_ACTION, HEAD_ACTION, LABELS_ACTION
 from concatfl.runtime import ClientData
 
-from .task import NUM_CLASSES, Net, load_data
+from .task import NUM_CLASSES, load_data, load_image_data, model_of
 from .task import train as train_fn
 
 app = ClientApp(mods=[fuzz_mod])  # off unless fuzz-share > 0: bad replies on demand, for the server's tests
@@ -18,14 +18,17 @@ app = ClientApp(mods=[fuzz_mod])  # off unless fuzz-share > 0: bad replies on de
 
 def local_data(context: Context):
     """This node's training split, located by its node config."""
-    return load_data(int(context.node_config["partition-id"]), int(context.node_config["num-partitions"]))
+    partition, partitions = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    if context.run_config["dataset"] == "digits":
+        return load_data(partition, partitions)
+    return load_image_data(context.run_config, partition, partitions)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train the received model on the local data: every FedCat and FedSeq message, FedConcat's
     encoder rounds and FedConcat-ID's first round are such ordinary train messages."""
-    model = Net()
+    model = model_of(context.run_config)[0]()
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     x, y = local_data(context)
     config = msg.content["config"]
@@ -58,7 +61,7 @@ def label_query(msg: Message, context: Context) -> Message:
 
 @app.train(FEATURES_ACTION)
 def features(msg: Message, context: Context) -> Message:
-    return handle_features(msg, context, fedconcat_data(context), make_model=Net)
+    return handle_features(msg, context, fedconcat_data(context), make_model=model_of(context.run_config)[0])
 
 
 @app.train(HEAD_ACTION)

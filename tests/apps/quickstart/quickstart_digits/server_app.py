@@ -17,7 +17,7 @@ from concatfl.strategies import FedAvg, FedCat, FedConcat, FedSeq, FedSeqInter
 from concatfl.strategies.aggregation import Aggregation
 from concatfl.strategies.base import RelayStrategy
 
-from .task import NUM_CLASSES, NUM_FEATURES, Net, load_test_data, test
+from .task import NUM_CLASSES, load_image_test_data, load_test_data, model_of, test
 
 app = ServerApp()
 
@@ -41,17 +41,18 @@ def main(grid: Grid, context: Context) -> None:
 def run(grid: Grid, context: Context) -> tuple[RelayStrategy, Result]:
     """Build the strategy from the run config and run it to the end."""
     config = context.run_config
-    x_test, y_test = load_test_data()
+    x_test, y_test = load_test_data() if config["dataset"] == "digits" else load_image_test_data(config)
     strategy = build(config, x_test, y_test)
+    make_model = model_of(config)[0]
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        loss, accuracy = test(strategy.global_module(arrays, Net), x_test, y_test)
+        loss, accuracy = test(strategy.global_module(arrays, make_model), x_test, y_test)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     torch.manual_seed(int(config["seed"]))
     result = strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord(Net().state_dict()),
+        initial_arrays=ArrayRecord(make_model().state_dict()),
         num_rounds=int(config["num-server-rounds"]),
         train_config=ConfigRecord({"lr": float(config["lr"])}),
         evaluate_fn=evaluate,
@@ -76,13 +77,14 @@ def build(config, x_test: torch.Tensor, y_test: torch.Tensor) -> RelayStrategy:
     if step:
         hops["hop_step"] = parse_hop_step(step)
     fraction = float(config["fraction-train"])
+    make_model, input_shape = model_of(config)
     if variant == "fedavg":
         return FedAvg(fraction_train=fraction, aggregation=aggregation, **guard, **checks)
     if variant == "fedcat":
         return FedCat(k=int(config["fedcat-k"]), **hops, **guard, **checks)
     if variant in ("fedseq", "fedseq-inter"):
         cls = FedSeqInter if variant == "fedseq-inter" else FedSeq
-        return cls(Net, NUM_CLASSES, exemplar_pool=(x_test, y_test), fraction_train=fraction, **hops, **guard, **checks)
+        return cls(make_model, NUM_CLASSES, exemplar_pool=(x_test, y_test), fraction_train=fraction, **hops, **guard, **checks)
     return FedConcat(
         label_inference=variant == "fedconcat-id",
         head="fc3",
@@ -92,7 +94,7 @@ def build(config, x_test: torch.Tensor, y_test: torch.Tensor) -> RelayStrategy:
         classifier_steps=int(config["classifier-steps"]),
         id_samples=2000,
         aggregation=aggregation,
-        make_model=Net,
-        input_shape=(NUM_FEATURES,),
+        make_model=make_model,
+        input_shape=input_shape,
         **guard,
     )
