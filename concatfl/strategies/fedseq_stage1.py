@@ -11,6 +11,7 @@ constructor sets the options and state it reads, and FedSeq's `state_dict` keeps
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from logging import INFO, WARNING
@@ -323,8 +324,12 @@ def _attach(report: dict[str, Any], kind: str, described: list[dict[str, Any]]) 
 
 
 def _log_report(record: dict[str, Any]) -> None:
-    log(INFO, "FedSeq: %s superclients from %s clients (%s, %s)", record["num_superclients"],
-        record["clients"], record["approximator"], record["grouping"])
+    sizes = Counter(entry["clients"] for entry in record["superclients"])
+    shape = ", ".join(f"{count} of {clients} client{'s' * (clients > 1)}" for clients, count in sorted(sizes.items()))
+    log(INFO, "FedSeq: %s superclients from %s clients (%s; %s, %s): each gathers min-samples=%s samples or more from "
+        "at most max-clients=%s clients; a client that holds min-samples alone is a superclient of one, a FedAvg "
+        "client", record["num_superclients"], record["clients"], shape, record["approximator"], record["grouping"],
+        record["min_samples"], record["max_clients"])
     for entry in record["superclients"]:
         quality = ", ".join(
             f"{kind}: balance {entry[kind]['balance_ratio']} covering {entry[kind]['covered_classes']} classes"
