@@ -150,8 +150,8 @@ def test_guard_check_records_divergence_and_warns_once(caplog):
 
     copies = [record([1.0, 0.0]), record([-1.0, 0.0])]
     with caplog.at_level(logging.WARNING):
-        first = guard.check(start, copies, [1.0, 1.0], record([0.0, 0.0]), evaluate)
-        second = guard.check(start, copies, [1.0, 1.0], record([0.0, 0.0]), evaluate)
+        first = guard.check(start, [to_numpy(c) for c in copies], [1.0, 1.0], record([0.0, 0.0]), evaluate)
+        second = guard.check(start, [to_numpy(c) for c in copies], [1.0, 1.0], record([0.0, 0.0]), evaluate)
     assert first == {
         "update": 1.0,
         "spread": 1.0,
@@ -167,7 +167,7 @@ def test_guard_check_records_divergence_and_warns_once(caplog):
     assert evaluated == [0.0, 0.0, 1.0, -1.0, 0.0]
     # The hops were counted once; the second check scores no copies, so only a stall could warn.
     assert "hop_length_ratio" not in second and "part_accuracy" not in second and second["diverged"] is False
-    later = [guard.check(start, copies, [1.0, 1.0], record([0.0, 0.0]), evaluate) for _ in range(3)]
+    later = [guard.check(start, [to_numpy(c) for c in copies], [1.0, 1.0], record([0.0, 0.0]), evaluate) for _ in range(3)]
     assert ["part_accuracy" in check for check in later] == [False, False, True]  # the 5th aggregation
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -185,13 +185,13 @@ def test_guard_warns_when_the_average_stalls_near_chance(caplog):
         return MetricRecord({"accuracy": 0.14, "loss": 2.0})
 
     with caplog.at_level(logging.WARNING):
-        verdicts = [guard.check(start, [chain], [1.0], chain, evaluate)["diverged"] for _ in range(6)]
+        verdicts = [guard.check(start, [to_numpy(chain)], [1.0], chain, evaluate)["diverged"] for _ in range(6)]
     assert verdicts == [False, False, False, False, True, True]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "after 5 aggregations" in warnings[0] and "fedseq-hop-step" in warnings[0]
     # A run that ends with a single aggregation is judged at it.
     short = chain_guard(1.0, 1.5, name="FedCat")
-    assert short.check(start, [chain], [1.0], chain, evaluate, last=True)["diverged"] is True
+    assert short.check(start, [to_numpy(chain)], [1.0], chain, evaluate, last=True)["diverged"] is True
 
 
 def test_chance_is_the_start_models_accuracy_or_its_loss_level_and_none_for_a_trained_start():
@@ -245,7 +245,7 @@ def test_the_auto_step_follows_the_later_hops_length_with_or_without_server_data
         for later in (2.6, 2.6, 0.5):  # a first hop of length 1, then the same node's later hop of this length
             first = fold(guard, start, record([1.0]), True)
             fold(guard, first, record([float(to_numpy(first)["w"][0]) + later]), False)
-            rules.append(guard.check(start, [first], [1.0], first, evaluate)["hop_rule"])
+            rules.append(guard.check(start, [to_numpy(first)], [1.0], first, evaluate)["hop_rule"])
         return [(r["step"], r["next_step"]) for r in rules]
 
     def evaluate(arrays: ArrayRecord) -> MetricRecord:

@@ -18,6 +18,7 @@ from logging import WARNING
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
@@ -69,8 +70,9 @@ class Reply:
     share of that update its content now holds.
 
     `decoded` holds its ArrayRecords as numpy, by record key, each decoded once: validation
-    decodes the model while it checks it (`collect`), and the guard and the aggregation read
-    those very arrays (`numpy`) instead of decoding the record again.
+    decodes the model while it checks it (`collect`), and the guard, the bounds and the
+    aggregation read those very arrays (`numpy`). Arrays the guard bounded live there alone
+    (their record leaves `content`); `record` encodes them when they leave the server.
     """
 
     request: Request
@@ -88,8 +90,15 @@ class Reply:
 
     @property
     def arrays(self) -> ArrayRecord:
-        """The model (or model part) the client returned."""
-        return self.content.array_records[ARRAYS_KEY]
+        """The model (or model part) as an ArrayRecord (`record`)."""
+        return self.record(ARRAYS_KEY)
+
+    def record(self, key: str = ARRAYS_KEY) -> ArrayRecord:
+        """The ArrayRecord under `key`: the one received, or, for arrays the guard bounded,
+        encoded from `decoded` on first use (on their way out of the server)."""
+        if key not in self.content.array_records:
+            self.content = RecordDict({**dict(self.content.items()), key: to_record(self.decoded[key])})
+        return self.content.array_records[key]
 
     @property
     def metrics(self) -> MetricRecord:
@@ -226,6 +235,11 @@ def check_reply(
         ):
             return f"'{NUM_EXAMPLES_KEY}' must be a whole positive number, got {num_examples!r}", {}
     return None, decoded
+
+
+def without(content: RecordDict, key: str) -> RecordDict:
+    """`content` less its record `key` (a reply whose arrays under `key` were replaced in `decoded`)."""
+    return RecordDict({name: record for name, record in content.items() if name != key})
 
 
 def to_messages(requests: Sequence[Request]) -> list[Message]:
@@ -395,6 +409,11 @@ def fingerprint(arrays: ArrayRecord) -> str:
 def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
     """An ArrayRecord's arrays as numpy, by key (what strategies compute on and checkpoint)."""
     return {key: array.numpy() for key, array in record.items()}
+
+
+def torch_state(arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """`arrays` as a torch state dict (copies: a decoded reply's arrays are read-only)."""
+    return {key: torch.from_numpy(np.array(value)) for key, value in arrays.items()}
 
 
 def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:

@@ -179,7 +179,7 @@ class FedCat(RelayStrategy):
         self._round_index = 0  # r, counted from when the current K took effect
         self._groups: list[list[int]] = []
         self._counts = CountTable(0)
-        self._copies: list[ArrayRecord] = []
+        self._copies: list[dict[str, np.ndarray]] = []  # as numpy: encoded only when sent
         self._data_sizes = np.zeros(0, dtype=np.int64)
         self._selected: list[int] = []
         self._cycle_start: ArrayRecord | None = None  # θ_prev of FedDyn's step
@@ -237,10 +237,11 @@ class FedCat(RelayStrategy):
             awake = self.awake(nodes)
             self._selected = select_random(awake if len(awake) >= k else nodes, k, self.rng)
         if offset == 0 or not self.concat:
-            self._copies = [global_arrays] * k
+            start = to_numpy(global_arrays)
+            self._copies = [start] * k
             self._data_sizes = np.zeros(k, dtype=np.int64)
             self._cycle_start = global_arrays
-            self._witness.begin(global_arrays)
+            self._witness.begin(start)
         plan = dispatch(self._selected, offset)
         self.record("k", k)
         self.record("offset", offset)
@@ -249,7 +250,7 @@ class FedCat(RelayStrategy):
         self._settings = {**dict(config), "server-round": server_round}
         if self.feddyn is not None:
             self._settings.update(self.feddyn.settings())
-        return [Request(node, train_content(self._copies[i], self._settings), tag=i) for i, node in enumerate(plan)]
+        return [Request(node, train_content(to_record(self._copies[i]), self._settings), tag=i) for i, node in enumerate(plan)]
 
     def _replacement_requests(self, misses: list[Miss]) -> list[Request]:
         """Each copy lost in hop 0 to a replacement device (`core.fedcat.select_replacement`),
@@ -268,7 +269,7 @@ class FedCat(RelayStrategy):
             record.append({"copy": copy_index, "lost": lost, "replacement": node})
             if node is not None:
                 taken.add(node)
-                requests.append(Request(node, train_content(self._copies[copy_index], self._settings), tag=copy_index))
+                requests.append(Request(node, train_content(to_record(self._copies[copy_index]), self._settings), tag=copy_index))
         self.record("replacements", record)
         return requests
 
@@ -290,7 +291,7 @@ class FedCat(RelayStrategy):
         self._witness.note(firsts, folded)
         folded += self.chain.fold(laters, first_hop=False, held=held, planned=planned(laters))
         for reply in folded:
-            self._copies[reply.request.tag] = reply.arrays
+            self._copies[reply.request.tag] = reply.numpy()
             self._data_sizes[reply.request.tag] += reply.num_examples
         self._round_replies += [reply.content for reply in hop.replies]
         if not self._replacing and hop.misses:
@@ -321,7 +322,7 @@ class FedCat(RelayStrategy):
             "groups": [list(group) for group in self._groups],
             "counts": self._counts.state_dict(),
             "selected": list(self._selected),
-            "copies": [to_numpy(copy) for copy in self._copies],
+            "copies": [dict(copy) for copy in self._copies],
             "data_sizes": self._data_sizes.copy(),
             "cycle_start": None if self._cycle_start is None else to_numpy(self._cycle_start),
             "chain": self.chain.state_dict(),
@@ -340,7 +341,7 @@ class FedCat(RelayStrategy):
         self._groups = [[int(node) for node in group] for group in saved["groups"]]
         self._counts = CountTable.from_state(saved["counts"])
         self._selected = [int(node) for node in saved["selected"]]
-        self._copies = [to_record(copy) for copy in saved["copies"]]
+        self._copies = [{key: np.asarray(value) for key, value in copy.items()} for copy in saved["copies"]]
         self._data_sizes = np.array(saved["data_sizes"], dtype=np.int64)
         start = saved.get("cycle_start")
         self._cycle_start = None if start is None else to_record(start)
@@ -404,16 +405,14 @@ class FedCat(RelayStrategy):
         and the divergence check (recorded as ``divergence``)."""
         if self._data_sizes.sum() <= 0:
             return None
-        copies = [to_numpy(copy) for copy in self._copies]
-        averaged = weighted_average(copies, [float(d) for d in self._data_sizes])
+        averaged = weighted_average(self._copies, [float(d) for d in self._data_sizes])
         assert self._cycle_start is not None
         if not close_cycle:
             self.chain.check_last(self._cycle_start, averaged, self.evaluate_on_server(server_round))
             return averaged
         trained = [(copy, float(size)) for copy, size in zip(self._copies, self._data_sizes) if size > 0]
         if self.feddyn is not None:
-            trained_copies = [copy for copy, size in zip(copies, self._data_sizes) if size > 0]
-            averaged = self.feddyn.step(self._cycle_start, trained_copies, averaged, len(self._copies))
+            averaged = self.feddyn.step(self._cycle_start, [copy for copy, _ in trained], averaged, len(self._copies))
             self.record("feddyn_h_norm", self.feddyn.h_norm)
         self.record(
             "divergence",

@@ -225,7 +225,7 @@ class ClassifierRounds(LabelClustering):
         before = plan.start[CLASSIFIER_BIAS].numpy()
         kept = []
         for reply in replies:
-            node, update = reply.node_id, reply.arrays[CLASSIFIER_BIAS].numpy() - before
+            node, update = reply.node_id, reply.numpy()[CLASSIFIER_BIAS] - before
             believed, agreements = head_update_believed(
                 update, self._class_profiles.get(node), self._last_head_bias.get(node), HEAD_AGREEMENT_BOUND
             )

@@ -27,7 +27,7 @@ from ..core.clustering import (
 from ..core.concat import check_head
 from ..protocol import DP_EPSILON, LABEL_DISTRIBUTION, LABELS_MESSAGE_TYPE
 from .base import RelayStrategy
-from .common import CONFIG_KEY, HopResult, Reply, Request, live_node_ids, to_numpy, to_record, train_content
+from .common import CONFIG_KEY, HopResult, Reply, Request, live_node_ids, to_numpy, to_record, torch_state, train_content
 from .membership import RETURNED, START
 
 if TYPE_CHECKING:
@@ -271,7 +271,7 @@ class LabelClustering(RelayStrategy):
         def digest(replies: list[Reply]) -> None:
             for reply in self.guard.bound(replies, stream="label-inference"):
                 model = self.make_model()
-                model.load_state_dict(reply.arrays.to_torch_state_dict())
+                model.load_state_dict(torch_state(reply.numpy()))
                 distributions[reply.node_id] = infer_label_distribution(
                     model,
                     self.id_samples,

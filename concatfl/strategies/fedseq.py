@@ -60,7 +60,7 @@ class _Chain:
 
     superclient: int
     order: list[int]  # node ids, one pass repeated E_S times, then the clients retried
-    model: ArrayRecord
+    model: dict[str, np.ndarray]  # as numpy: encoded only when sent
     weight: int  # |D_S|
     slot: int | None = None
     trained: int = 0
@@ -306,7 +306,7 @@ class FedSeq(SuperclientStage):
         return [
             Request(
                 chain.order[hop],
-                train_content(chain.model, {**settings, "chain-pass": chain.chain_pass(hop, self.superclient_epochs)}),
+                train_content(to_record(chain.model), {**settings, "chain-pass": chain.chain_pass(hop, self.superclient_epochs)}),
                 tag=chain.superclient,
             )
             for chain in self._chains
@@ -330,7 +330,7 @@ class FedSeq(SuperclientStage):
         folded += self.chain.fold(laters, first_hop=False, held=held, planned=planned(laters), chain_hops=hops(laters))
         for reply in folded:
             chain = chains[reply.request.tag]
-            chain.model = reply.arrays
+            chain.model = reply.numpy()
             chain.trained += 1
             chain.examples += reply.num_examples
             self._round_metrics.append(RecordDict({METRICS_KEY: reply.metrics}))
@@ -366,25 +366,25 @@ class FedSeq(SuperclientStage):
         """Drop vanished nodes, select superclients, give each a start model and a shuffled chain."""
         self._follow_live_nodes(set(self.awake(live_node_ids(grid))))
         self._chains, self._hops_done, self._round_metrics = [], 0, []
-        self._round_start = arrays
+        self._round_start, start = arrays, to_numpy(arrays)
         if self._witness is not None:
-            self._witness.begin(arrays)
+            self._witness.begin(start)
         ids = sorted(self.superclients)
         if not ids:
             log(WARNING, "FedSeq: no superclient left; the round trains nothing")
             return
         count = sample_count(self.fraction_train, len(ids))
         selected = sorted(int(sid) for sid in self.rng.choice(ids, size=count, replace=False))
-        for sid, (model, slot) in zip(selected, self._start_models(len(selected), arrays)):
+        for sid, (model, slot) in zip(selected, self._start_models(len(selected), start)):
             members = self.superclients[sid]
             # Shuffle positions, not the uint64 node ids (numpy would turn those into floats).
             one_pass = [members[int(i)] for i in self.rng.permutation(len(members))]
             weight = sum(self.client_samples[node] for node in members)
             self._chains.append(_Chain(sid, one_pass * self.superclient_epochs, model, weight, slot))
 
-    def _start_models(self, count: int, arrays: ArrayRecord) -> list[tuple[ArrayRecord, int | None]]:
-        """(start model, slot) of each of the `count` selected superclients: the global model."""
-        return [(arrays, None)] * count
+    def _start_models(self, count: int, start: dict[str, np.ndarray]) -> list[tuple[dict[str, np.ndarray], int | None]]:
+        """(start model, slot) of each of the `count` selected superclients: the global model `start`."""
+        return [(start, None)] * count
 
     def _finish_round(self, server_round: int, trained: list[_Chain]) -> ArrayRecord | None:
         """|D_S|-weighted average of the superclients that trained (None when none did), with
@@ -393,8 +393,7 @@ class FedSeq(SuperclientStage):
             return None
         models, weights = [chain.model for chain in trained], [float(chain.weight) for chain in trained]
         assert self._round_start is not None
-        arrays = [to_numpy(model) for model in models]
-        average = self._feddyn_step(self._round_start, arrays, weighted_average(arrays, weights), len(self.superclients))
+        average = self._feddyn_step(self._round_start, models, weighted_average(models, weights), len(self.superclients))
         self._check_divergence(server_round, self._round_start, models, weights, average)
         if self._witness is not None and (compared := self._witness.compare(
                 server_round, average, self.evaluate_on_server(server_round))):
@@ -402,7 +401,8 @@ class FedSeq(SuperclientStage):
         return average
 
     def _check_divergence(
-        self, server_round: int, start: ArrayRecord, models: list[ArrayRecord], weights: list[float], average: ArrayRecord
+        self, server_round: int, start: ArrayRecord, models: list[dict[str, np.ndarray]], weights: list[float],
+        average: ArrayRecord,
     ) -> None:
         """Record (``divergence``) how far the averaged superclient models ended apart."""
         evaluate = self.evaluate_on_server(server_round)
@@ -483,7 +483,7 @@ class FedSeqInter(FedSeq):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._witness = None  # a slot's first hop continues the slot's model, not the global one
-        self._slots: list[ArrayRecord] = []
+        self._slots: list[dict[str, np.ndarray]] = []  # as numpy, like the chains' models
         self._slot_start: ArrayRecord | None = None  # FedDyn's θ_prev: the model the slots restarted from
         self.slot_samples: list[float] = []
         self.rounds_since_average = 0
@@ -492,12 +492,12 @@ class FedSeqInter(FedSeq):
         """FedSeq's stage 1, then every slot starts from the initial model."""
         super().setup(grid, initial_arrays, train_config)
         count = sample_count(self.fraction_train, len(self.superclients))
-        self._slots = [initial_arrays] * count
+        self._slots = [to_numpy(initial_arrays)] * count
         self._slot_start = initial_arrays
         self.slot_samples = [0.0] * count
         self.setup_record["slots"] = count
 
-    def _start_models(self, count: int, arrays: ArrayRecord) -> list[tuple[ArrayRecord, int | None]]:
+    def _start_models(self, count: int, start: dict[str, np.ndarray]) -> list[tuple[dict[str, np.ndarray], int | None]]:
         """The selected superclients take the slots in random order."""
         slots = [int(s) for s in self.rng.permutation(len(self._slots))[:count]]
         return [(self._slots[slot], slot) for slot in slots]
@@ -515,16 +515,16 @@ class FedSeqInter(FedSeq):
             if aggregate:  # nothing trained since the last average: the slots still hold it
                 self.rounds_since_average = 0
             return None
-        arrays = [to_numpy(self._slots[i]) for i in filled]
+        arrays = [self._slots[i] for i in filled]
         average = weighted_average(arrays, [self.slot_samples[i] for i in filled])
         self.record("slots", {"samples": list(self.slot_samples), "aggregated": aggregate})
         if aggregate:
             assert self._slot_start is not None
-            models, weights = [self._slots[i] for i in filled], [self.slot_samples[i] for i in filled]
+            weights = [self.slot_samples[i] for i in filled]
             average = self._feddyn_step(self._slot_start, arrays, average, len(self._slots))
-            self._check_divergence(server_round, self._slot_start, models, weights, average)
+            self._check_divergence(server_round, self._slot_start, arrays, weights, average)
             self._slot_start = average
-            self._slots = [average] * len(self._slots)
+            self._slots = [to_numpy(average)] * len(self._slots)
             self.slot_samples = [0.0] * len(self._slots)
             self.rounds_since_average = 0
         elif server_round == self.last_round:  # the run ends between two averages: warn if it never learned
@@ -536,7 +536,7 @@ class FedSeqInter(FedSeq):
         """FedSeq's state plus the slot models, their counters and the aggregation clock."""
         return {
             **super().state_dict(),
-            "slots": [to_numpy(slot) for slot in self._slots],
+            "slots": [dict(slot) for slot in self._slots],
             "slot_samples": list(self.slot_samples),
             "rounds_since_average": self.rounds_since_average,
             "slot_start": None if self._slot_start is None else to_numpy(self._slot_start),
@@ -545,7 +545,7 @@ class FedSeqInter(FedSeq):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s output."""
         super().load_state_dict(state)
-        self._slots = [to_record(slot) for slot in state["slots"]]
+        self._slots = [{key: np.asarray(value) for key, value in slot.items()} for slot in state["slots"]]
         self.slot_samples = [float(n) for n in state["slot_samples"]]
         self.rounds_since_average = int(state["rounds_since_average"])
         start = state.get("slot_start")

@@ -12,7 +12,7 @@ constructor sets the options and state it reads, and FedSeq's `state_dict` keeps
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
@@ -27,7 +27,7 @@ from torch import nn
 from ..core import superclients as sc
 from ..models import fc_layer_names
 from .base import RelayStrategy
-from .common import CONFIG_KEY, METRICS_KEY, HopResult, Reply, Request, live_node_ids, to_numpy, train_content
+from .common import CONFIG_KEY, METRICS_KEY, HopResult, Reply, Request, live_node_ids, torch_state, train_content
 from .membership import RETURNED, START
 
 LABEL_COUNTS_KEY = "label-counts"
@@ -174,7 +174,7 @@ class SuperclientStage(RelayStrategy):
             for reply in self.guard.bound(replies, stream="pretrain"):
                 epochs = reply.metrics.get(LOCAL_EPOCHS_KEY)
                 said = isinstance(epochs, (int, float)) and not isinstance(epochs, bool)
-                row = self._describe(reply.arrays)
+                row = self._describe(reply.numpy())
                 kept.append(_Pretrained(reply.node_id, reply.num_examples, row, epochs if said else None))
 
         hop = self.hop(grid, requests, placing=placing, digest=digest)
@@ -225,17 +225,17 @@ class SuperclientStage(RelayStrategy):
             )
         return reported, differing
 
-    def _describe(self, arrays: ArrayRecord) -> np.ndarray:
+    def _describe(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
         """What ψ needs of one pre-trained model: its confidence vector (`conf`), or its
         classifier layers' weights (`clf`, reduced with the others' by `_approximate`)."""
         if self.approximator == "conf":
             assert self._pool is not None
             x, y = self._pool[0][self._exemplars], self._pool[1][self._exemplars]
             module = self._scratch_module()
-            module.load_state_dict(arrays.to_torch_state_dict())
+            module.load_state_dict(torch_state(arrays))
             confidences = sc.class_confidences(module, x, y, self.num_classes, self._normalization, self._device)
             return sc.confidence_vector(confidences, self.conf_normalize)
-        return sc.classifier_vector(to_numpy(arrays), self._classifier_layers())
+        return sc.classifier_vector(arrays, self._classifier_layers())
 
     def _scratch_module(self) -> nn.Module:
         """A module to load clients' weights into (built once; `reusable_module` leaves the

@@ -64,7 +64,7 @@ from ..core.bounds import (
     update_vector,
 )
 from ..core.witness import AGREEMENT_BOUND, sketch, update_believed
-from .common import ARRAYS_KEY, METRICS_KEY, NUM_EXAMPLES_KEY, Miss, Reply, jsonable, to_numpy, to_record
+from .common import ARRAYS_KEY, METRICS_KEY, NUM_EXAMPLES_KEY, Miss, Reply, jsonable, to_numpy, without
 
 # A node whose replies were clipped, down-weighted or rejected in this many rounds is named once.
 WARN_AFTER_ROUNDS = 3
@@ -216,7 +216,7 @@ class ReplyGuard:
             decoded = reply.decoded
             if share < 1.0:
                 moved = scale(values, share) if origin is None else move(origin, values, share)
-                content = _replace(content, key, to_record(moved))
+                content = without(content, key)
                 decoded = {**decoded, key: moved}
             bounded.append(
                 dataclasses.replace(
@@ -351,10 +351,6 @@ def _decoded_once(record: ArrayRecord, decoded: dict[int, dict[str, np.ndarray]]
     if id(record) not in decoded:
         decoded[id(record)] = to_numpy(record)
     return decoded[id(record)]
-
-
-def _replace(content: RecordDict, key: str, arrays: ArrayRecord) -> RecordDict:
-    return RecordDict({**dict(content.items()), key: arrays})
 
 
 def _with_num_examples(content: RecordDict, num_examples: int) -> RecordDict:

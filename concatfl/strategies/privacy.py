@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from logging import WARNING
 
 import numpy as np
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideAdaptiveClipping,
     DifferentialPrivacyClientSideFixedClipping,
@@ -46,7 +46,7 @@ from flwr.serverapp.strategy import (
 from flwr.supercore import log
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-from .common import ARRAYS_KEY, Miss, Reply, to_numpy, to_record
+from .common import ARRAYS_KEY, Miss, Reply, to_numpy, without
 
 SERVER_SIDE = (DifferentialPrivacyServerSideFixedClipping, DifferentialPrivacyServerSideAdaptiveClipping)
 CLIENT_SIDE = (DifferentialPrivacyClientSideFixedClipping, DifferentialPrivacyClientSideAdaptiveClipping)
@@ -258,7 +258,7 @@ def enforce_clipping(strategy: Strategy, state: PrivacyState, replies: list[Repl
                 MOD_FOR.get(type(state.wrapper), "clipping mod"), DOCS,
             )
         state.clipped.append(reply.node_id)
-        content = RecordDict({**dict(reply.content.items()), ARRAYS_KEY: to_record(clipped)})
+        content = without(reply.content, ARRAYS_KEY)
         kept.append(replace(reply, content=content, decoded={**reply.decoded, ARRAYS_KEY: clipped}))
     return kept
 

@@ -15,7 +15,7 @@ and logs one WARNING per run the first time the chains look broken
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from logging import INFO, WARNING
 from typing import Any
 
@@ -39,7 +39,7 @@ from ..core.sequential import (
     witness_due,
     witness_lost,
 )
-from .common import Reply, to_numpy, weighted_average
+from .common import Reply, to_numpy, to_record, weighted_average
 from .guard import ReplyGuard
 
 Evaluate = Callable[[ArrayRecord], MetricRecord | None]
@@ -173,17 +173,17 @@ class ChainGuard:
     def check(
         self,
         start: ArrayRecord,
-        models: Sequence[ArrayRecord],
+        models: Sequence[Mapping[str, np.ndarray]],
         weights: Sequence[float],
         average: ArrayRecord,
         evaluate: Evaluate | None,
         last: bool = False,
     ) -> dict[str, Any]:
-        """The divergence record of `models` (trained from `start`, averaged into `average`)
+        """The divergence record of `models` (numpy arrays by key, trained from `start`, averaged into `average`)
         and of the hops since the last check; logs the run's one warning the first time the
         chains look broken (`last`: this is the run's last aggregation, so a run that never
         left chance is warned about before it ends, however few aggregations it had)."""
-        record: dict[str, Any] = divergence(to_numpy(start), [to_numpy(m) for m in models], weights).as_record()
+        record: dict[str, Any] = divergence(to_numpy(start), models, weights).as_record()
         hop_ratio = float(np.median(self._later_ratios)) if self._later_ratios else None
         if hop_ratio is not None:
             record["hop_length_ratio"] = round(hop_ratio, 4)
@@ -200,7 +200,7 @@ class ChainGuard:
             average_accuracy = _accuracy(evaluate(average))
             if average_accuracy is not None:
                 record["average_accuracy"] = round(average_accuracy, 4)
-            scores = [_accuracy(evaluate(model)) for model in models] if parts_due(self._aggregations, last) else []
+            scores = [_accuracy(evaluate(to_record(model))) for model in models] if parts_due(self._aggregations, last) else []
             if average_accuracy is not None and scores and None not in scores:
                 part_accuracies = [float(a) for a in scores if a is not None]
                 record["part_accuracy"] = [round(a, 4) for a in part_accuracies]
@@ -312,9 +312,9 @@ class FirstHopWitness:
         self._models: list[dict[str, np.ndarray]] = []
         self._weights: list[float] = []
 
-    def begin(self, start: ArrayRecord) -> None:
+    def begin(self, start: dict[str, np.ndarray]) -> None:
         """The chains start from `start`: forget the last first hops."""
-        self._start, self._models, self._weights = to_numpy(start), [], []
+        self._start, self._models, self._weights = start, [], []
 
     def note(self, sent: Sequence[Reply], folded: Sequence[Reply]) -> None:
         """Keep the first hops `folded` (the guard's bounded copies of the replies `sent`) whole:
