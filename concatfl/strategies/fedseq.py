@@ -50,8 +50,7 @@ if TYPE_CHECKING:
     from ..runtime import ServerEnv
 
 APPROXIMATORS = ("conf", "clf")
-SEQ_ADVICE = ("FedAvg with every node may do better; so may superclients of other sizes (min_samples) or a smaller "
-              "hop step.")
+ADVICE = "FedAvg with every node may do better; so may superclients of other sizes (min_samples) or a smaller hop step."
 
 
 @dataclass
@@ -271,7 +270,7 @@ class FedSeq(SuperclientStage):
         self.chain = ChainGuard(type(self).__name__, self.guard, hop_step, hop_clip, keys, check_parts)
         # FedDyn's corrected average is no plain average of first hops: no witness then.
         self.witness = witness
-        self._witness = FirstHopWitness(type(self).__name__, update_clip, SEQ_ADVICE) if witness and feddyn is None else None
+        self._witness = FirstHopWitness(type(self).__name__, update_clip, ADVICE) if witness and feddyn is None else None
         self.plan: dict[int, list[int]] = {}  # the superclients: stage 1's, with the nodes placed since
         self.superclients: dict[int, list[int]] = {}  # this round's: the plan's connected members
         self.client_samples: dict[int, int] = {}
@@ -395,8 +394,7 @@ class FedSeq(SuperclientStage):
         assert self._round_start is not None
         average = self._feddyn_step(self._round_start, models, weighted_average(models, weights), len(self.superclients))
         self._check_divergence(server_round, self._round_start, models, weights, average)
-        if self._witness is not None and (compared := self._witness.compare(
-                server_round, average, self.evaluate_on_server(server_round))):
+        if self._witness and (compared := self._witness.compare(server_round, average, self.evaluate_on_server(server_round))):
             self.record("witness", compared)
         return average
 
