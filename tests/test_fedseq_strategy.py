@@ -675,3 +675,9 @@ def test_a_loss_within_the_margin_or_not_in_a_row_is_no_warning(caplog):
 def test_between_comparisons_nothing_more_is_evaluated(caplog):
     fedseq, _, _ = witness_run(caplog, 4, [0.1] + [0.2] * 7)  # 1 + 2 × 3 compared rounds + 1
     assert ["witness" in record for record in fedseq.history] == [True, True, True, False]
+
+
+def test_superclients_of_one_client_are_neither_scored_one_by_one_nor_compared_with_their_first_hops():
+    fedseq = strategy(min_samples=1, check_parts=True, witness=True)
+    _, _, _ = run(fedseq, clients_for(4), 2)
+    assert all("part_accuracy" not in r["divergence"] and "witness" not in r for r in fedseq.history)

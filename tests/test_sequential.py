@@ -21,6 +21,7 @@ from concatfl.core.sequential import (
     even_share,
     parts_due,
     running_mean_share,
+    scored_parts,
     witness_due,
     witness_lost,
 )
@@ -293,3 +294,8 @@ def test_the_chains_lose_a_comparison_only_by_more_than_the_margin():
 
 def test_the_averaged_models_are_scored_at_the_first_every_fifth_and_the_last_aggregation():
     assert [aggregation for aggregation in range(1, 13) if parts_due(aggregation, last=aggregation == 12)] == [1, 5, 10, 12]
+
+
+def test_at_most_the_three_heaviest_averaged_models_are_scored():
+    assert scored_parts([5.0, 1.0, 9.0, 7.0, 2.0]) == [0, 2, 3]
+    assert scored_parts([1.0, 1.0]) == [0, 1]

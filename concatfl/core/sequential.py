@@ -68,12 +68,14 @@ ADAPT_WINDOW = 20
 # The chains lose a comparison when the first hops score more than WITNESS_MARGIN above them
 # (early rounds near chance differ by noise), and the run warns after LOSSES_TO_WARN in a row.
 # The averaged models are scored one by one (the divergence check's second sign) at the first
-# aggregation, every PART_CHECK_EVERY and the last.
+# aggregation, every PART_CHECK_EVERY and the last, at most MAX_PARTS_SCORED of them (the
+# heaviest): FedSeq with many small clients averages dozens of superclient models.
 WITNESS_FIRST = 3
 WITNESS_EVERY = 5
 WITNESS_MARGIN = 0.02
 LOSSES_TO_WARN = 2
 PART_CHECK_EVERY = 5
+MAX_PARTS_SCORED = 3
 
 
 def running_mean_share(examples: float, held: float) -> float:
@@ -134,6 +136,11 @@ def witness_due(aggregation: int) -> bool:
 def witness_lost(chains_accuracy: float, first_hops_accuracy: float) -> bool:
     """Whether the chains lost the comparison: the first hops score more than WITNESS_MARGIN above."""
     return first_hops_accuracy > chains_accuracy + WITNESS_MARGIN
+
+
+def scored_parts(weights: Sequence[float]) -> list[int]:
+    """The indices of the averaged models scored one by one: the MAX_PARTS_SCORED heaviest, in order."""
+    return sorted(sorted(range(len(weights)), key=lambda i: -weights[i])[:MAX_PARTS_SCORED])
 
 
 def parts_due(aggregation: int, last: bool) -> bool:

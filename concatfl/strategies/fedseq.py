@@ -393,19 +393,20 @@ class FedSeq(SuperclientStage):
         models, weights = [chain.model for chain in trained], [float(chain.weight) for chain in trained]
         assert self._round_start is not None
         average = self._feddyn_step(self._round_start, models, weighted_average(models, weights), len(self.superclients))
-        self._check_divergence(server_round, self._round_start, models, weights, average)
-        if self._witness and (compared := self._witness.compare(server_round, average, self.evaluate_on_server(server_round))):
+        chained = any(chain.planned > 1 for chain in trained)  # chains of one hop are FedAvg's clients
+        self._check_divergence(server_round, self._round_start, models, weights, average, chained)
+        if chained and self._witness and (compared := self._witness.compare(server_round, average, self.evaluate_on_server(server_round))):
             self.record("witness", compared)
         return average
 
     def _check_divergence(
         self, server_round: int, start: ArrayRecord, models: list[dict[str, np.ndarray]], weights: list[float],
-        average: ArrayRecord,
+        average: ArrayRecord, score_parts: bool = True,
     ) -> None:
         """Record (``divergence``) how far the averaged superclient models ended apart."""
         evaluate = self.evaluate_on_server(server_round)
         last = server_round == self.last_round
-        self.record("divergence", self.chain.check(start, models, weights, average, evaluate, last))
+        self.record("divergence", self.chain.check(start, models, weights, average, evaluate, last, score_parts))
 
     def _feddyn_step(
         self, previous: ArrayRecord, models: list[dict[str, np.ndarray]], average: ArrayRecord, num_clients: int

@@ -34,6 +34,7 @@ from ..core.sequential import (
     diverged,
     divergence,
     parts_due,
+    scored_parts,
     running_mean_share,
     even_share,
     witness_due,
@@ -178,11 +179,13 @@ class ChainGuard:
         average: ArrayRecord,
         evaluate: Evaluate | None,
         last: bool = False,
+        score_parts: bool = True,
     ) -> dict[str, Any]:
         """The divergence record of `models` (numpy arrays by key, trained from `start`, averaged into `average`)
         and of the hops since the last check; logs the run's one warning the first time the
         chains look broken (`last`: this is the run's last aggregation, so a run that never
-        left chance is warned about before it ends, however few aggregations it had)."""
+        left chance is warned about before it ends, however few aggregations it had). `score_parts`
+        False: no model is scored one by one (FedSeq's chains of one hop are FedAvg's clients)."""
         record: dict[str, Any] = divergence(to_numpy(start), models, weights).as_record()
         hop_ratio = float(np.median(self._later_ratios)) if self._later_ratios else None
         if hop_ratio is not None:
@@ -200,7 +203,8 @@ class ChainGuard:
             average_accuracy = _accuracy(evaluate(average))
             if average_accuracy is not None:
                 record["average_accuracy"] = round(average_accuracy, 4)
-            scores = [_accuracy(evaluate(to_record(model))) for model in models] if parts_due(self._aggregations, last) else []
+            due = score_parts and parts_due(self._aggregations, last)
+            scores = [_accuracy(evaluate(to_record(models[i]))) for i in scored_parts(weights)] if due else []
             if average_accuracy is not None and scores and None not in scores:
                 part_accuracies = [float(a) for a in scores if a is not None]
                 record["part_accuracy"] = [round(a, 4) for a in part_accuracies]
