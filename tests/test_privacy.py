@@ -238,6 +238,16 @@ def test_every_other_strategy_under_each_wrapper_is_refused_before_any_message(a
     assert grid.sent == [] and grid.hops == []
 
 
+@pytest.mark.parametrize("name", ["FedSeq", "FedSeqInter", "FedConcat", "FedConcat-ID"])
+def test_a_strategy_with_a_stage_1_driven_by_hand_says_to_use_its_start(app, name):
+    task, _, _ = app
+    grid = FakeGrid({node: lambda message: None for node in BIG_IDS[:NODES]})
+    strategy = _strategies(task.Net)[name]()
+    with pytest.raises(RuntimeError, match=r"driven through its own start\(grid=.*stage 1 \(setup\)"):
+        strategy.configure_train(1, ArrayRecord(task.Net().state_dict()), ConfigRecord(), grid)
+    assert grid.sent == [] and grid.hops == []
+
+
 # ---------------------------------------------------------------------- the mods' errors, explained
 def test_a_clipping_mod_without_its_wrapper_is_explained_once(app, caplog):
     task, client, _ = app

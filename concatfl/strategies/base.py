@@ -304,9 +304,17 @@ class RelayStrategy(Admission, Strategy):
     ) -> Iterable[Message]:
         """Messages of the round's next hop (FedSeq rounds have several; others one).
 
-        Under one of Flower's DP wrappers, a strategy that does not compose with it raises
+        A strategy with a stage 1 (FedSeq, FedSeqInter, FedConcat) raises RuntimeError here when
+        called outside its `start()`, which runs that stage. Under one of Flower's DP wrappers, a strategy that does not compose with it raises
         ValueError here, before any message (`privacy.check_driver`)."""
         check_driver(self, self._privacy, config)
+        if self.last_round is None and type(self).setup is not RelayStrategy.setup:
+            raise RuntimeError(
+                f"{type(self).__name__} is driven through its own start(grid=..., initial_arrays=..., "
+                "num_rounds=...): its stage 1 (setup) runs there before round 1, so configure_train "
+                "cannot be called on its own; FedAvg, FedProx, SCAFFOLD, FedDyn, MOON, FedRS, FedLC and "
+                "FedCat can"
+            )
         last_round, last_hop = self._hop_position
         hop = last_hop if last_round == server_round else 0
         if hop == 0:
