@@ -205,6 +205,24 @@ def test_concatfls_client_app_puts_local_dp_on_model_replies_only_when_the_run_c
     assert not local_dp_mod(query, context, lambda m, c: reply_with(m, RecordDict())).has_error()
 
 
+def test_the_user_style_apps_client_app_clips_and_noises_its_train_replies_when_the_run_config_asks(app):
+    task, client, _ = app
+    initial = task.Net().state_dict()
+    flat = np.concatenate([value.numpy().ravel() for value in initial.values()])
+    message = Message(RecordDict({"arrays": ArrayRecord(initial), "config": ConfigRecord({"lr": 0.1})}),
+                      dst_node_id=1, message_type="train")
+
+    def update(keys) -> np.ndarray:
+        context = Context(1, 1, {"partition-id": 0, "num-partitions": NODES}, RecordDict(),
+                          {**RUN_CONFIG, "local-epochs": 1, **keys})
+        arrays = client.app(message, context).content["arrays"]
+        return np.concatenate([arrays[key].numpy().ravel() for key in initial]) - flat
+
+    assert np.linalg.norm(update({})) > 0.5  # trained, left as it is
+    # ε so large that the noise is nothing: the update clipped to C.
+    assert np.linalg.norm(update({"local-dp-epsilon": 1e9, "local-dp-clip": 0.5})) == pytest.approx(0.5, abs=1e-3)
+
+
 def test_the_run_config_refuses_local_dp_with_scaffold_and_turns_the_direction_checks_off():
     with pytest.raises(ConfigError, match="strategy='scaffold' sends two"):
         RunConfig.from_mapping({"strategy": "scaffold", "local-dp-epsilon": 1.0})

@@ -7,13 +7,16 @@ from flwr.clientapp import ClientApp
 
 from concatfl.fedconcat_client import handle_features, handle_head_training, handle_label_query
 from concatfl.fuzz import fuzz_mod
+from concatfl.local_dp import local_dp_mod
 from concatfl.protocol import FEATURES_ACTION, HEAD_ACTION, LABELS_ACTION
 from concatfl.runtime import ClientData
 
 from .task import NUM_CLASSES, load_data, load_image_data, model_of
 from .task import train as train_fn
 
-app = ClientApp(mods=[fuzz_mod])  # off unless fuzz-share > 0: bad replies on demand, for the server's tests
+# Both off by default: fuzz_mod replaces replies (fuzz-share > 0) for the server's tests;
+# local_dp_mod is Flower's LocalDpMod with the run config's local-dp-epsilon, -delta and -clip.
+app = ClientApp(mods=[fuzz_mod, local_dp_mod])
 
 
 def local_data(context: Context):
