@@ -305,8 +305,9 @@ class RelayStrategy(Admission, Strategy):
         """Messages of the round's next hop (FedSeq rounds have several; others one).
 
         A strategy with a stage 1 (FedSeq, FedSeqInter, FedConcat) raises RuntimeError here when
-        called outside its `start()`, which runs that stage. Under one of Flower's DP wrappers, a strategy that does not compose with it raises
-        ValueError here, before any message (`privacy.check_driver`)."""
+        called outside its `start()`, which runs that stage. Under one of Flower's DP wrappers, a
+        strategy that does not compose with it raises ValueError here, before any message
+        (`privacy.check_driver`)."""
         check_driver(self, self._privacy, config)
         if self.last_round is None and type(self).setup is not RelayStrategy.setup:
             raise RuntimeError(
