@@ -102,7 +102,8 @@ def test_the_parent_monitor_interrupts_a_main_thread_waiting_out_a_retry_back_of
     # would reach the main thread only when that wait ends (up to a minute).
     ended = subprocess.Popen(["true"])
     ended.wait()
-    monitor = threading.Thread(target=stop_with_parent, args=(ended.pid, types.SimpleNamespace(worker=None)), daemon=True)
+    monitor = threading.Thread(target=stop_with_parent, args=(ended.pid, types.SimpleNamespace(worker=None), None),
+                               daemon=True)
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):  # entered first: the parent is gone, the SIGINT comes at once
         monitor.start()

@@ -603,12 +603,17 @@ def exit_with_parent(parent_pid: int, interval: float = 0.2, grace: float = 2.0)
     os._exit(128 + signal.SIGINT)
 
 
-def stop_with_parent(parent_pid: int, supervisor: Supervisor) -> None:
-    """Once the SuperNode `parent_pid` is gone: SIGINT to this process, and kill the worker.
+def stop_with_parent(parent_pid: int, supervisor: Supervisor, grace: float | None = 5.0) -> None:
+    """Once the SuperNode `parent_pid` is gone: SIGINT to this process, kill the worker, and
+    after `grace` seconds an immediate exit (None: no exit, for a caller that is not the process
+    to end).
 
     Flower's parent monitor only raises SIGINT; its handler runs in the main thread, which may be
     blocked reading the reply of a task whose worker keeps retrying to push to the dead SuperNode
     (the soak found such pairs still running minutes later). Killing the worker ends that read.
+    A KeyboardInterrupt raised while the main thread is inside an import's lock callback is
+    swallowed by Python ("Exception ignored in ... _get_module_lock"), and the process then
+    retried its connection for ever: hence the exit after `grace`.
     """
     import psutil  # pylint: disable=import-outside-toplevel
 
@@ -627,6 +632,13 @@ def stop_with_parent(parent_pid: int, supervisor: Supervisor) -> None:
     if supervisor.worker is not None:
         with contextlib.suppress(ProcessLookupError):
             supervisor.worker.process.kill()
+    if grace is None:
+        return
+    time.sleep(grace)
+    if supervisor.worker is not None:  # one started since
+        with contextlib.suppress(ProcessLookupError):
+            supervisor.worker.process.kill()
+    os._exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":
