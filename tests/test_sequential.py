@@ -16,6 +16,7 @@ from concatfl.core.sequential import (
     adapt_step,
     chain_step,
     chance_level,
+    check_affordable,
     diverged,
     divergence,
     even_share,
@@ -27,7 +28,7 @@ from concatfl.core.sequential import (
 )
 from concatfl.strategies.common import Reply, Request, to_numpy, to_record, train_content
 from concatfl.strategies.guard import ReplyGuard
-from concatfl.strategies.sequential import ChainGuard
+from concatfl.strategies.sequential import ChainGuard, CheckBudget, FirstHopWitness
 
 
 def model(weight: list[float], bias: float = 0.0, steps: int = 0) -> dict[str, np.ndarray]:
@@ -85,7 +86,9 @@ def record(weight: list[float]) -> ArrayRecord:
 
 def chain_guard(hop_step: float, hop_clip: float, update_clip: float = 0.0, name: str = "FedCat") -> ChainGuard:
     keys = ("fedcat-hop-step", "fedcat-hop-clip") if name == "FedCat" else ("fedseq-hop-step", "fedseq-hop-clip")
-    return ChainGuard(name, ReplyGuard(name, update_clip, 0.0), hop_step, hop_clip, keys)
+    guard = ChainGuard(name, ReplyGuard(name, update_clip, 0.0), hop_step, hop_clip, keys)
+    guard.budget.clock = lambda: 0.0  # a frozen clock: every check is free, so the schedule alone decides
+    return guard
 
 
 def hop(sent: ArrayRecord, returned: ArrayRecord, examples: int = 10, node: int = 1) -> Reply:
@@ -162,6 +165,7 @@ def test_guard_check_records_divergence_and_warns_once(caplog):
         "hop_steps": {"min": 1.0, "mean": 1.0},
         "part_accuracy": [0.5, 0.5],
         "average_accuracy": 0.1,
+        "checks": {"seconds": 0.0, "evaluations": 3, "skipped": 0},
         "diverged": True,
     }
     # The start model once, the average at each check, the copies at the first (`parts_due`).
@@ -294,6 +298,63 @@ def test_the_chains_lose_a_comparison_only_by_more_than_the_margin():
 
 def test_the_averaged_models_are_scored_at_the_first_every_fifth_and_the_last_aggregation():
     assert [aggregation for aggregation in range(1, 13) if parts_due(aggregation, last=aggregation == 12)] == [1, 5, 10, 12]
+
+
+def test_a_check_runs_when_free_or_within_a_twentieth_of_the_run():
+    # 0.05 s is free whatever was spent; 1.4 s fits once the run has lasted 20x the checks' seconds.
+    assert [check_affordable(50.0, 0.05, 1.0), check_affordable(5.0, 1.4, 127.9), check_affordable(5.0, 1.4, 128.0)] == [
+        True, False, True,
+    ]
+
+
+def test_the_budget_skips_the_scheduled_checks_it_cannot_afford():
+    # A 20-round run of 12.5 s rounds whose evaluations take 1.4 s each (CIFAR-10's test set
+    # against FedSeq's rounds of 100 clients): the first aggregation scores the start model and
+    # three parts (5.6 s); later parts wait until the checks fit in 5 % of the run.
+    now = [0.0]
+    budget = CheckBudget(clock=lambda: now[0])
+
+    def evaluate(arrays: ArrayRecord) -> MetricRecord:
+        now[0] += 1.4
+        return MetricRecord({"accuracy": 0.5})
+
+    scored = []
+    budget.begin()
+    for aggregation in range(1, 21):
+        now[0] += 12.5
+        if aggregation == 1:
+            budget.timed(evaluate)(record([0.0]))  # the start model, once
+        if parts_due(aggregation, last=aggregation == 20) and budget.affords(3, early=aggregation == 1):
+            scored.append(aggregation)
+            for _ in range(3):
+                budget.timed(evaluate)(record([1.0]))
+    # Due at 1, 5, 10, 15, 20: after 5.6 s of checks the next 4.2 s fit from 196 s of run on.
+    assert scored == [1, 20]
+    assert budget.as_record() == {"seconds": 9.8, "evaluations": 7, "skipped": 3}
+
+
+def test_the_witness_always_compares_at_its_first_three_aggregations_then_within_the_budget():
+    now = [0.0]
+    guard = chain_guard(1.0, 0.0, name="FedSeq")
+    guard.budget.clock = lambda: now[0]
+    witness = FirstHopWitness("FedSeq", 0.0, "Use FedAvg.", guard.budget)
+
+    def evaluate(arrays: ArrayRecord) -> MetricRecord:
+        now[0] += 1.4
+        return MetricRecord({"accuracy": 0.5})
+
+    compared = []
+    for aggregation in range(1, 21):
+        start = record([0.0])
+        witness.begin(to_numpy(start))
+        sent = [hop(start, record([1.0]))]
+        witness.note(sent, guard.fold(sent, first_hop=True))
+        now[0] += 12.5
+        if witness.compare(aggregation, record([2.0]), evaluate):
+            compared.append(aggregation)
+    # Due at 1, 2, 3, 5, 10, 15, 20; at the 5th (70.9 s) the 4.2 s spent leave no room for 1.4 s more.
+    assert compared == [1, 2, 3, 10, 15, 20]
+    assert guard.budget.as_record() == {"seconds": 8.4, "evaluations": 6, "skipped": 1}
 
 
 def test_at_most_the_three_heaviest_averaged_models_are_scored():

@@ -173,7 +173,8 @@ class FedCat(RelayStrategy):
         keys = ("fedcat-hop-step", "fedcat-hop-clip")
         self.chain = ChainGuard("FedCat", self.guard, hop_step, hop_clip, keys, check_parts)
         self._witness = FirstHopWitness("FedCat", update_clip, "Its copies are averaged once per cycle of K rounds, where "
-                                        "FedAvg(fraction_train=K/N) averages every round: that, or FedSeq, should do better.")
+                                        "FedAvg(fraction_train=K/N) averages every round: that, or FedSeq, should do better.",
+                                        self.chain.budget)
         # The algorithm's state (all saved by `state_dict`); K is fixed at the first round.
         self._k: int | None = None
         self._round_index = 0  # r, counted from when the current K took effect

@@ -270,7 +270,7 @@ class FedSeq(SuperclientStage):
         self.chain = ChainGuard(type(self).__name__, self.guard, hop_step, hop_clip, keys, check_parts)
         # FedDyn's corrected average is no plain average of first hops: no witness then.
         self.witness = witness
-        self._witness = FirstHopWitness(type(self).__name__, update_clip, ADVICE) if witness and feddyn is None else None
+        self._witness = FirstHopWitness(type(self).__name__, update_clip, ADVICE, self.chain.budget) if witness and feddyn is None else None
         self.plan: dict[int, list[int]] = {}  # the superclients: stage 1's, with the nodes placed since
         self.superclients: dict[int, list[int]] = {}  # this round's: the plan's connected members
         self.client_samples: dict[int, int] = {}

@@ -14,6 +14,7 @@ and logs one WARNING per run the first time the chains look broken
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from logging import INFO, WARNING
@@ -28,9 +29,11 @@ from ..core.sequential import (
     ADAPT_WINDOW,
     LOSSES_TO_WARN,
     STEP_START,
+    WITNESS_FIRST,
     adapt_step,
     chain_step,
     chance_level,
+    check_affordable,
     diverged,
     divergence,
     parts_due,
@@ -89,7 +92,8 @@ class ChainGuard:
         Evaluate the average of the averaged models at every aggregation, the models themselves
         at the first, every `core.sequential.PART_CHECK_EVERY`-th and the last, and (once) the
         model the run started from, with the run's `evaluate_fn`: the warning's signs need these
-        accuracies (the average's is the global model's, which the run evaluates anyway).
+        accuracies (the average's is the global model's, which the run evaluates anyway). The
+        models one by one are skipped when `budget` cannot afford them (`CheckBudget`).
     """
 
     # pylint: disable=too-many-arguments
@@ -115,6 +119,7 @@ class ChainGuard:
         self.hop_clip = hop_clip
         self.keys = keys
         self.check_parts = check_parts
+        self.budget = CheckBudget()  # shared with the strategy's FirstHopWitness
         self._later_ratios: list[float] = []  # since the last check: later hop length / reference
         self._own_first: dict[int, float] = {}  # each node's latest first-hop length
         # The recent later hops' lengths over their node's first hop: the adaptive step's measure
@@ -143,6 +148,7 @@ class ChainGuard:
         (`hop_step='mean'`; 0 for a first hop), and `planned[i]`, the examples its chain folds in
         all (`hop_step='even'`). `chain_hops[i]`: the hops of reply i's chain; a chain of one hop is
         taken whole (`core.sequential.chain_step`)."""
+        self.budget.begin()
         step: float | Callable[[int, int], float] = self.step
         if self.hop_step == MEAN:
             before = list(held) or [0.0] * len(replies)
@@ -199,15 +205,19 @@ class ChainGuard:
         self._aggregations += 1
         average_accuracy, part_accuracies = None, []
         if self.check_parts and evaluate is not None:
-            self._measure_start(start, evaluate)
-            average_accuracy = _accuracy(evaluate(average))
+            timed = self.budget.timed(evaluate)
+            self._measure_start(start, timed)
+            average_accuracy = _accuracy(evaluate(average))  # the global model: evaluated by the run anyway
             if average_accuracy is not None:
                 record["average_accuracy"] = round(average_accuracy, 4)
+            parts = scored_parts(weights)
             due = score_parts and parts_due(self._aggregations, last)
-            scores = [_accuracy(evaluate(to_record(models[i]))) for i in scored_parts(weights)] if due else []
-            if average_accuracy is not None and scores and None not in scores:
-                part_accuracies = [float(a) for a in scores if a is not None]
-                record["part_accuracy"] = [round(a, 4) for a in part_accuracies]
+            if due and self.budget.affords(len(parts), early=self._aggregations == 1):
+                scores = [_accuracy(timed(to_record(models[i]))) for i in parts]
+                if average_accuracy is not None and None not in scores:
+                    part_accuracies = [float(a) for a in scores if a is not None]
+                    record["part_accuracy"] = [round(a, 4) for a in part_accuracies]
+            record["checks"] = self.budget.as_record()
         if self.hop_step == AUTO:
             used = self.step
             # A client's own first hop is the fairer yardstick (clients differ in data and so in
@@ -227,8 +237,9 @@ class ChainGuard:
         (a resumed run continues the cycle as if the run had not ended)."""
         if not self.check_parts or evaluate is None:
             return
-        self._measure_start(start, evaluate)
-        average_accuracy = _accuracy(evaluate(average))
+        timed = self.budget.timed(evaluate)
+        self._measure_start(start, timed)
+        average_accuracy = _accuracy(timed(average))
         self._warn(diverged(max(1, self._aggregations), self._chance, average_accuracy, [], last=True))
 
     def _measure_start(self, start: ArrayRecord, evaluate: Evaluate) -> None:
@@ -289,6 +300,55 @@ class ChainGuard:
         self._warned = bool(state["warned"])
 
 
+class CheckBudget:
+    """What the checks' extra server evaluations cost against the run's time
+    (`core.sequential.check_affordable`). The run's clock starts at the first hop folded. Early
+    checks always run: the first aggregation's, which measure what an evaluation costs, and the
+    witness's first `core.sequential.WITNESS_FIRST` comparisons, which let a run warn within its
+    first aggregations. Later ones run when affordable at that cost (the mean over the evaluations
+    timed so far). `clock` is injectable for tests.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.started: float | None = None
+        self.spent = 0.0  # seconds in the timed evaluations
+        self.evaluations = 0
+        self.skipped = 0  # checks due by their schedule that the budget skipped
+
+    def begin(self) -> None:
+        """Start the run's clock (once)."""
+        if self.started is None:
+            self.started = self.clock()
+
+    def affords(self, evaluations: int, early: bool = False) -> bool:
+        """Whether a check of `evaluations` evaluations may run now (`early`: one that always runs)."""
+        if early or self.evaluations == 0 or self.started is None:
+            return True
+        cost = evaluations * self.spent / self.evaluations
+        if check_affordable(self.spent, cost, self.clock() - self.started):
+            return True
+        self.skipped += 1
+        return False
+
+    def timed(self, evaluate: Evaluate) -> Evaluate:
+        """`evaluate`, its calls' seconds counted as the checks'."""
+
+        def timed_evaluate(arrays: ArrayRecord) -> MetricRecord | None:
+            began = self.clock()
+            try:
+                return evaluate(arrays)
+            finally:
+                self.spent += self.clock() - began
+                self.evaluations += 1
+
+        return timed_evaluate
+
+    def as_record(self) -> dict[str, float]:
+        """JSON-ready: the checks' seconds and evaluations so far, and how many were skipped."""
+        return {"seconds": round(self.spent, 3), "evaluations": self.evaluations, "skipped": self.skipped}
+
+
 class FirstHopWitness:
     """What a sequential strategy's chains gain over the FedAvg round their first hops form.
 
@@ -296,7 +356,8 @@ class FirstHopWitness:
     does: the examples-weighted average of the first hops, each bounded as every reply is but taken
     whole, is a FedAvg round of those clients, which the server gets at no cost in training or
     traffic. With the run's `evaluate_fn` the server scores it beside the chains' average at the
-    aggregations `core.sequential.witness_due` names (one evaluation more each) and records both
+    aggregations `core.sequential.witness_due` names that `budget` affords (one evaluation more
+    each; the chains' average is the global model, evaluated by the run anyway) and records both
     (``witness``); when the chains lose by more than `core.sequential.WITNESS_MARGIN` at
     `LOSSES_TO_WARN` comparisons in a row it warns, once: the federation is not the method's
     regime. The global model is never replaced: the first hops are only as many clients as there
@@ -304,10 +365,11 @@ class FirstHopWitness:
     is compared, which the run says once.
     """
 
-    def __init__(self, strategy: str, update_clip: float, advice: str) -> None:
+    def __init__(self, strategy: str, update_clip: float, advice: str, budget: CheckBudget) -> None:
         self.strategy = strategy
         self.update_clip = update_clip
         self.advice = advice
+        self.budget = budget
         self._aggregations = 0
         self._streak = 0  # comparisons in a row the chains lost
         self._warned = False
@@ -340,10 +402,10 @@ class FirstHopWitness:
                     "hops form; a federation where they do worse than FedAvg goes unnoticed", self.strategy)
             return {}
         self._aggregations += 1
-        if not witness_due(self._aggregations):
+        if not witness_due(self._aggregations) or not self.budget.affords(1, early=self._aggregations <= WITNESS_FIRST):
             return {}
         first_hops = weighted_average(self._models, self._weights)
-        chains_accuracy, first_accuracy = _accuracy(evaluate(chains)), _accuracy(evaluate(first_hops))
+        chains_accuracy, first_accuracy = _accuracy(evaluate(chains)), _accuracy(self.budget.timed(evaluate)(first_hops))
         if chains_accuracy is None or first_accuracy is None:
             return {}
         self._streak = self._streak + 1 if witness_lost(chains_accuracy, first_accuracy) else 0
