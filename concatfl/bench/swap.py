@@ -77,10 +77,9 @@ def methods(clients: int) -> dict[str, dict[str, Any]]:
         "FedConcat": {"variant": "fedconcat"},
         "FedConcat-ID": {"variant": "fedconcat-id"},
     }
-    for name in ("FedAvg (every node)", "FedSeq", "FedCat"):
-        rows[f"{name}, 10 % fuzzed"] = {**rows[name], **FUZZED}
-    for name in ("FedAvg (every node)", "FedSeq", "FedCat"):
-        rows[f"{name}, LocalDpMod ε={LOCAL_DP_EPSILON:g}"] = {**rows[name], **LOCAL_DP}
+    defaults = ("FedAvg (every node)", "FedSeq", "FedCat")
+    for suffix, keys in (("10 % fuzzed", FUZZED), (f"LocalDpMod ε={LOCAL_DP_EPSILON:g}", LOCAL_DP)):
+        rows.update({f"{name}, {suffix}": {**rows[name], **keys} for name in defaults})
     return rows
 
 
