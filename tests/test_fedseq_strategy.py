@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import pickle
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -16,6 +18,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from concatfl.config import RunConfig
+from concatfl.core.sequential import STALL_AGGREGATIONS
 from concatfl.core import superclients as sc
 from concatfl.runtime import ServerEnv
 from concatfl.strategies.common import message_bytes
@@ -681,3 +684,16 @@ def test_superclients_of_one_client_are_neither_scored_one_by_one_nor_compared_w
     fedseq = strategy(min_samples=1, check_parts=True, witness=True)
     _, _, _ = run(fedseq, clients_for(4), 2)
     assert all("part_accuracy" not in r["divergence"] and "witness" not in r for r in fedseq.history)
+
+
+@pytest.mark.parametrize(("min_samples", "warned"), [(1, False), (40, True)])
+def test_a_run_at_chance_is_the_chains_doing_only_when_there_are_chains(caplog, min_samples, warned):
+    # Superclients of one client are FedAvg's clients: a run of them that stays at chance is no
+    # divergence of sequential training. Chains of several clients at chance are.
+    fedseq = strategy(min_samples=min_samples, check_parts=True)
+    at_chance = MetricRecord({"accuracy": 0.1, "loss": math.log(10.0)})
+    with caplog.at_level(logging.WARNING):
+        fedseq.start(FakeGrid(clients_for(4)), initial_arrays(), num_rounds=STALL_AGGREGATIONS,
+                     train_config=ConfigRecord({"lr": 0.1}), evaluate_fn=lambda _, arrays: at_chance)
+    assert [r["divergence"]["diverged"] for r in fedseq.history] == [False] * (STALL_AGGREGATIONS - 1) + [warned]
+    assert any("diverge" in r.getMessage() for r in caplog.records) == warned

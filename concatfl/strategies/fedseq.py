@@ -401,12 +401,12 @@ class FedSeq(SuperclientStage):
 
     def _check_divergence(
         self, server_round: int, start: ArrayRecord, models: list[dict[str, np.ndarray]], weights: list[float],
-        average: ArrayRecord, score_parts: bool = True,
+        average: ArrayRecord, chained: bool = True,
     ) -> None:
         """Record (``divergence``) how far the averaged superclient models ended apart."""
         evaluate = self.evaluate_on_server(server_round)
         last = server_round == self.last_round
-        self.record("divergence", self.chain.check(start, models, weights, average, evaluate, last, score_parts))
+        self.record("divergence", self.chain.check(start, models, weights, average, evaluate, last, chained))
 
     def _feddyn_step(
         self, previous: ArrayRecord, models: list[dict[str, np.ndarray]], average: ArrayRecord, num_clients: int

@@ -185,13 +185,15 @@ class ChainGuard:
         average: ArrayRecord,
         evaluate: Evaluate | None,
         last: bool = False,
-        score_parts: bool = True,
+        chained: bool = True,
     ) -> dict[str, Any]:
         """The divergence record of `models` (numpy arrays by key, trained from `start`, averaged into `average`)
         and of the hops since the last check; logs the run's one warning the first time the
         chains look broken (`last`: this is the run's last aggregation, so a run that never
-        left chance is warned about before it ends, however few aggregations it had). `score_parts`
-        False: no model is scored one by one (FedSeq's chains of one hop are FedAvg's clients)."""
+        left chance is warned about before it ends, however few aggregations it had). `chained`
+        False: the models are no chains' (FedSeq's superclients of one client are FedAvg's
+        clients): none is scored one by one, and nothing warns (a FedAvg round near chance is not
+        sequential training's doing)."""
         record: dict[str, Any] = divergence(to_numpy(start), models, weights).as_record()
         hop_ratio = float(np.median(self._later_ratios)) if self._later_ratios else None
         if hop_ratio is not None:
@@ -211,7 +213,7 @@ class ChainGuard:
             if average_accuracy is not None:
                 record["average_accuracy"] = round(average_accuracy, 4)
             parts = scored_parts(weights)
-            due = score_parts and parts_due(self._aggregations, last)
+            due = chained and parts_due(self._aggregations, last)
             if due and self.budget.affords(len(parts), early=self._aggregations == 1):
                 scores = [_accuracy(timed(to_record(models[i]))) for i in parts]
                 if average_accuracy is not None and None not in scores:
@@ -226,7 +228,7 @@ class ChainGuard:
             if ratio is not None:
                 self.step = adapt_step(self.step, ratio)
             record["hop_rule"] = {"step": round(used, 4), "next_step": round(self.step, 4)}
-        reason = diverged(self._aggregations, self._chance, average_accuracy, part_accuracies, last)
+        reason = diverged(self._aggregations, self._chance, average_accuracy, part_accuracies, last) if chained else None
         record["diverged"] = reason is not None
         self._warn(reason)
         return record
