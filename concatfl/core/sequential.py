@@ -81,9 +81,10 @@ MAX_PARTS_SCORED = 3
 # The evaluations the checks add (the first hops' average, the models one by one, the start model)
 # take at most CHECK_SHARE of the run's seconds so far: FedSeq's round is to cost at most 1.1x
 # FedAvg's, and the other half of that tenth is the relay's own cost. On CIFAR-10's 10,000 test
-# images one evaluation takes about 1.4 s against a 12.5 s round of 100 clients; the full schedule
-# (22 evaluations in 20 rounds) made FedSeq's run 1.09-1.14x FedAvg's. A check that costs under
-# CHECK_FREE_SECONDS always runs: no user waits on it.
+# images one evaluation takes about 1.4 s against a 12 s round of 100 clients: the schedule alone
+# asks 22 evaluations in 20 rounds (rounds 1.09-1.14x FedAvg's), the budget lets 8 run (1.06-1.08x;
+# docs/results.md, the swap map). A check that costs under CHECK_FREE_SECONDS always runs: no
+# user waits on it.
 CHECK_SHARE = 0.05
 CHECK_FREE_SECONDS = 0.1
 
