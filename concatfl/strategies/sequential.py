@@ -93,7 +93,7 @@ class ChainGuard:
         at the first, every `core.sequential.PART_CHECK_EVERY`-th and the last, and (once) the
         model the run started from, with the run's `evaluate_fn`: the warning's signs need these
         accuracies (the average's is the global model's, which the run evaluates anyway). The
-        models one by one are skipped when `budget` cannot afford them (`CheckBudget`).
+        models one by one are skipped when the guard's `budget` (a `CheckBudget`) cannot afford them.
     """
 
     # pylint: disable=too-many-arguments
@@ -346,7 +346,7 @@ class CheckBudget:
 
         return timed_evaluate
 
-    def as_record(self) -> dict[str, float]:
+    def as_record(self) -> dict[str, float | int]:
         """JSON-ready: the checks' seconds and evaluations so far, and how many were skipped."""
         return {"seconds": round(self.spent, 3), "evaluations": self.evaluations, "skipped": self.skipped}
 
