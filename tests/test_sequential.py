@@ -20,6 +20,7 @@ from concatfl.core.sequential import (
     diverged,
     divergence,
     even_share,
+    fedavg_as_low,
     parts_due,
     running_mean_share,
     scored_parts,
@@ -194,9 +195,29 @@ def test_guard_warns_when_the_average_stalls_near_chance(caplog):
     assert verdicts == [False, False, False, False, True, True]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "after 5 aggregations" in warnings[0] and "fedseq-hop-step" in warnings[0]
+    assert "models diverge" in warnings[0] and "Run FedAvg" not in warnings[0]
     # A run that ends with a single aggregation is judged at it.
     short = chain_guard(1.0, 1.5, name="FedCat")
     assert short.check(start, [to_numpy(chain)], [1.0], chain, evaluate, last=True)["diverged"] is True
+
+
+def test_a_stall_beside_a_first_hops_round_as_low_asks_for_a_fedavg_run_before_blaming_the_chains(caplog):
+    guard = chain_guard(0.25, 1.5, name="FedSeq")
+    start, chain = record([0.0]), record([1.0])
+
+    def evaluate(arrays: ArrayRecord) -> MetricRecord:
+        return MetricRecord({"accuracy": 0.1 if float(to_numpy(arrays)["w"][0]) == 0.0 else 0.12})
+
+    with caplog.at_level(logging.WARNING):
+        # The witness's last FedAvg round scored 0.14 (under 1.5x chance) at the fifth aggregation.
+        verdicts = [
+            guard.check(start, [to_numpy(chain)], [1.0], chain, evaluate, first_hops_accuracy=0.14)["diverged"]
+            for _ in range(5)
+        ]
+    assert verdicts == [False, False, False, False, True]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith("FedSeq: the run is not leaving chance: after 5 aggregations the averaged model scores 0.120")
+    assert "Run FedAvg with the same settings" in warning and "models diverge" not in warning
 
 
 def test_chance_is_the_start_models_accuracy_or_its_loss_level_and_none_for_a_trained_start():
@@ -296,6 +317,13 @@ def test_the_chains_lose_a_comparison_only_by_more_than_the_margin():
     assert [witness_lost(0.5, 0.52), witness_lost(0.5, 0.53), witness_lost(0.6, 0.5)] == [False, True, False]
 
 
+def test_a_first_hops_round_below_one_and_a_half_times_chance_is_as_low_as_a_stall():
+    assert [fedavg_as_low(0.1, 0.1), fedavg_as_low(0.1, 0.149), fedavg_as_low(0.1, 0.151), fedavg_as_low(0.1, 0.4)] == [
+        True, True, False, False,
+    ]
+    assert [fedavg_as_low(None, 0.1), fedavg_as_low(0.1, None)] == [False, False]  # a trained start; never compared
+
+
 def test_the_averaged_models_are_scored_at_the_first_every_fifth_and_the_last_aggregation():
     assert [aggregation for aggregation in range(1, 13) if parts_due(aggregation, last=aggregation == 12)] == [1, 5, 10, 12]
 
@@ -355,6 +383,10 @@ def test_the_witness_always_compares_at_its_first_three_aggregations_then_within
     # Due at 1, 2, 3, 5, 10, 15, 20; at the 5th (70.9 s) the 4.2 s spent leave no room for 1.4 s more.
     assert compared == [1, 2, 3, 10, 15, 20]
     assert guard.budget.as_record() == {"seconds": 8.4, "evaluations": 6, "skipped": 1}
+    assert witness.first_hops_accuracy == 0.5  # the last comparison's, for the guard's warning
+    resumed = FirstHopWitness("FedSeq", 0.0, "Use FedAvg.", guard.budget)
+    resumed.load_state_dict(witness.state_dict())
+    assert resumed.state_dict() == witness.state_dict()
 
 
 def test_at_most_the_three_heaviest_averaged_models_are_scored():

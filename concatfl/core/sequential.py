@@ -17,7 +17,8 @@ algorithm exactly. What is here:
   hop lengths the server measures anyway: no server data, nothing from the client.
 * `divergence`: how far the chains' models ended from each other, relative to how far they
   moved, measured when they are averaged (recorded in metrics.json with the hop-length ratio).
-* `diverged`: the accuracy-based signs that the chains have broken the model (the warning).
+* `diverged`: the accuracy-based signs that the chains have broken the model (the warning);
+  `fedavg_as_low`: whether the FedAvg round their first hops form is no better off.
 * `chain_step`: a chain of one hop is a FedAvg client, taken whole.
 * `witness_due`, `witness_lost`, `parts_due`: what the server learns at little cost: the first
   hops of the chains start from the model the chains started from, as FedAvg's clients do, so
@@ -207,6 +208,18 @@ def chance_level(start_accuracy: float, start_loss: float | None = None) -> floa
     if start_loss is None or not math.isfinite(start_loss):
         return start_accuracy
     return max(start_accuracy, min(TRAINED_START, math.exp(-start_loss)))
+
+
+def fedavg_as_low(chance: float | None, first_hops_accuracy: float | None) -> bool:
+    """Whether the FedAvg round the chains' first hops form, at its last comparison
+    (`first_hops_accuracy`), scored as near `chance` as a stalled run: below
+    EARLY_STALL_FACTOR·chance. A stall is then no evidence against the chains alone, and the
+    warning says so. On the swap map's 100 × 400 CIFAR-10 cells FedSeq was still near chance at
+    aggregation 5 while ahead of FedAvg with every node, its first hops' round at 0.09-0.10; a run
+    whose chains broke the model at its first aggregation (the sequential-stability map's
+    paper-exact FedSeq, quickstart at lr 0.05) shows the same figures. Only a FedAvg run of the
+    same settings tells the two apart."""
+    return chance is not None and first_hops_accuracy is not None and first_hops_accuracy < EARLY_STALL_FACTOR * chance
 
 
 def diverged(

@@ -424,6 +424,7 @@ class FedCat(RelayStrategy):
                 averaged,
                 self.evaluate_on_server(server_round),
                 last=server_round == self.last_round,
+                first_hops_accuracy=self._witness.first_hops_accuracy,
             ),
         )
         if self.feddyn is None:  # FedDyn's corrected average is no plain average to compare

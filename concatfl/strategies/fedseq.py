@@ -404,9 +404,9 @@ class FedSeq(SuperclientStage):
         average: ArrayRecord, chained: bool = True,
     ) -> None:
         """Record (``divergence``) how far the averaged superclient models ended apart."""
-        evaluate = self.evaluate_on_server(server_round)
-        last = server_round == self.last_round
-        self.record("divergence", self.chain.check(start, models, weights, average, evaluate, last, chained))
+        evaluate, last = self.evaluate_on_server(server_round), server_round == self.last_round
+        fedavg = self._witness.first_hops_accuracy if self._witness else None  # its last comparison's
+        self.record("divergence", self.chain.check(start, models, weights, average, evaluate, last, chained, fedavg))
 
     def _feddyn_step(
         self, previous: ArrayRecord, models: list[dict[str, np.ndarray]], average: ArrayRecord, num_clients: int

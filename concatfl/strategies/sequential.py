@@ -36,6 +36,7 @@ from ..core.sequential import (
     check_affordable,
     diverged,
     divergence,
+    fedavg_as_low,
     parts_due,
     scored_parts,
     running_mean_share,
@@ -186,6 +187,7 @@ class ChainGuard:
         evaluate: Evaluate | None,
         last: bool = False,
         chained: bool = True,
+        first_hops_accuracy: float | None = None,
     ) -> dict[str, Any]:
         """The divergence record of `models` (numpy arrays by key, trained from `start`, averaged into `average`)
         and of the hops since the last check; logs the run's one warning the first time the
@@ -193,7 +195,9 @@ class ChainGuard:
         left chance is warned about before it ends, however few aggregations it had). `chained`
         False: the models are no chains' (FedSeq's superclients of one client are FedAvg's
         clients): none is scored one by one, and nothing warns (a FedAvg round near chance is not
-        sequential training's doing)."""
+        sequential training's doing). `first_hops_accuracy`: the `FirstHopWitness`'s last score of
+        the FedAvg round the first hops form; as low as a stall (`core.sequential.fedavg_as_low`),
+        the warning asks for a FedAvg run before blaming the chains."""
         record: dict[str, Any] = divergence(to_numpy(start), models, weights).as_record()
         hop_ratio = float(np.median(self._later_ratios)) if self._later_ratios else None
         if hop_ratio is not None:
@@ -230,7 +234,7 @@ class ChainGuard:
             record["hop_rule"] = {"step": round(used, 4), "next_step": round(self.step, 4)}
         reason = diverged(self._aggregations, self._chance, average_accuracy, part_accuracies, last) if chained else None
         record["diverged"] = reason is not None
-        self._warn(reason)
+        self._warn(reason, fedavg_as_low(self._chance, first_hops_accuracy))
         return record
 
     def check_last(self, start: ArrayRecord, average: ArrayRecord, evaluate: Evaluate | None) -> None:
@@ -255,25 +259,38 @@ class ChainGuard:
             loss = metrics.get("loss") if metrics is not None else None
             self._chance = chance_level(accuracy, None if loss is None else float(loss))  # type: ignore[arg-type]
 
-    def _warn(self, reason: str | None) -> None:
-        """Log the run's one divergence warning, the first time there is a reason."""
-        if reason is not None and not self._warned:
-            self._warned = True
-            log(
-                WARNING,
-                "%s: the sequentially trained models diverge: %s. The clients' local steps (lr, momentum, "
-                "local-epochs, the optimizer) are too large for chains of label-skewed clients. Lower them, or let "
-                "the server damp each hop more: %s=even (each hop counts as much as its client's share of the "
-                "chain: near FedAvg at every step size in the sequential-stability map) or a smaller number (now "
-                "%s), and %s (now %s), the constructor's hop_step and hop_clip. Recorded per aggregation as "
-                "'divergence' in metrics.json; this warning is logged once per run.",
-                self.strategy,
-                reason,
-                self.keys[0],
-                self.hop_step,
-                self.keys[1],
-                self.hop_clip,
+    def _warn(self, reason: str | None, fedavg_low: bool = False) -> None:
+        """Log the run's one divergence warning, the first time there is a reason (`fedavg_low`:
+        the FedAvg round of the chains' first hops scored as low, so the chains may not be the cause)."""
+        if reason is None or self._warned:
+            return
+        self._warned = True
+        if fedavg_low:
+            verdict = (
+                "the run is not leaving chance: %s, and one FedAvg round from the same model (the chains' first "
+                "hops, recorded as 'witness') scored as low. Run FedAvg with the same settings to tell why: if it "
+                "also stays near chance, this federation learns slowly at these local steps whatever the "
+                "strategy (more rounds, or another lr / local-epochs); if it does not, the chains are the cause. "
+                "Then lower the local steps"
             )
+        else:
+            verdict = (
+                "the sequentially trained models diverge: %s. The clients' local steps (lr, momentum, local-epochs, "
+                "the optimizer) are too large for chains of label-skewed clients. Lower them"
+            )
+        log(
+            WARNING,
+            "%s: " + verdict + ", or let the server damp each hop more: %s=even (each hop counts as much as its "
+            "client's share of the chain: near FedAvg at every step size in the sequential-stability map) or a "
+            "smaller number (now %s), and %s (now %s), the constructor's hop_step and hop_clip. Recorded per "
+            "aggregation as 'divergence' in metrics.json; this warning is logged once per run.",
+            self.strategy,
+            reason,
+            self.keys[0],
+            self.hop_step,
+            self.keys[1],
+            self.hop_clip,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to bound its hops exactly as this one would."""
@@ -374,6 +391,7 @@ class FirstHopWitness:
         self.budget = budget
         self._aggregations = 0
         self._streak = 0  # comparisons in a row the chains lost
+        self.first_hops_accuracy: float | None = None  # at the last comparison
         self._warned = False
         self._told = False
         self._start: dict[str, np.ndarray] = {}
@@ -410,6 +428,7 @@ class FirstHopWitness:
         chains_accuracy, first_accuracy = _accuracy(evaluate(chains)), _accuracy(self.budget.timed(evaluate)(first_hops))
         if chains_accuracy is None or first_accuracy is None:
             return {}
+        self.first_hops_accuracy = first_accuracy
         self._streak = self._streak + 1 if witness_lost(chains_accuracy, first_accuracy) else 0
         if self._streak >= LOSSES_TO_WARN and not self._warned:
             self._warned = True
@@ -421,12 +440,17 @@ class FirstHopWitness:
 
     def state_dict(self) -> dict[str, Any]:
         """The counts: a resumed run compares and warns as this one would."""
-        return {"aggregations": self._aggregations, "streak": self._streak, "warned": self._warned, "told": self._told}
+        return {
+            "aggregations": self._aggregations, "streak": self._streak, "warned": self._warned, "told": self._told,
+            "first_hops_accuracy": self.first_hops_accuracy,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s output."""
         self._aggregations, self._streak = int(state["aggregations"]), int(state["streak"])
         self._warned, self._told = bool(state["warned"]), bool(state["told"])
+        self.first_hops_accuracy = state.get("first_hops_accuracy")  # absent from older checkpoints
+
 
 def _accuracy(metrics: MetricRecord | None) -> float | None:
     if metrics is None or "accuracy" not in metrics:
