@@ -220,6 +220,20 @@ def test_a_stall_beside_a_first_hops_round_as_low_asks_for_a_fedavg_run_before_b
     assert "Run FedAvg with the same settings" in warning and "models diverge" not in warning
 
 
+def test_an_average_worse_than_its_parts_blames_the_chains_however_low_the_first_hops_round(caplog):
+    guard = chain_guard(0.25, 1.5, name="FedSeq")
+    start, chain = record([0.0]), record([1.0])
+
+    def evaluate(arrays: ArrayRecord) -> MetricRecord:  # the start and the average 0.1, the chain 0.4
+        return MetricRecord({"accuracy": 0.4 if float(to_numpy(arrays)["w"][0]) == 2.0 else 0.1})
+
+    with caplog.at_level(logging.WARNING):
+        check = guard.check(start, [model([2.0])], [1.0], chain, evaluate, first_hops_accuracy=0.1)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert check["diverged"] is True and check["part_accuracy"] == [0.4]
+    assert warning.startswith("FedSeq: the sequentially trained models diverge: the average scores 0.100 while")
+
+
 def test_chance_is_the_start_models_accuracy_or_its_loss_level_and_none_for_a_trained_start():
     assert chance_level(0.08, math.log(10.0)) == pytest.approx(0.1)
     assert chance_level(0.12, math.log(10.0)) == 0.12

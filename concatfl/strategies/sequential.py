@@ -234,7 +234,9 @@ class ChainGuard:
             record["hop_rule"] = {"step": round(used, 4), "next_step": round(self.step, 4)}
         reason = diverged(self._aggregations, self._chance, average_accuracy, part_accuracies, last) if chained else None
         record["diverged"] = reason is not None
-        self._warn(reason, fedavg_as_low(self._chance, first_hops_accuracy))
+        # The stall sign is judged first: without the parts' scores only it can give a reason.
+        stalled = diverged(self._aggregations, self._chance, average_accuracy, [], last) is not None
+        self._warn(reason, stalled and fedavg_as_low(self._chance, first_hops_accuracy))
         return record
 
     def check_last(self, start: ArrayRecord, average: ArrayRecord, evaluate: Evaluate | None) -> None:
@@ -260,8 +262,9 @@ class ChainGuard:
             self._chance = chance_level(accuracy, None if loss is None else float(loss))  # type: ignore[arg-type]
 
     def _warn(self, reason: str | None, fedavg_low: bool = False) -> None:
-        """Log the run's one divergence warning, the first time there is a reason (`fedavg_low`:
-        the FedAvg round of the chains' first hops scored as low, so the chains may not be the cause)."""
+        """Log the run's one divergence warning, the first time there is a reason (`fedavg_low`: the
+        reason is a stall, and the FedAvg round of the chains' first hops scored as low, so the chains
+        may not be its cause)."""
         if reason is None or self._warned:
             return
         self._warned = True
