@@ -17,7 +17,8 @@ algorithm exactly. What is here:
   hop lengths the server measures anyway: no server data, nothing from the client.
 * `divergence`: how far the chains' models ended from each other, relative to how far they
   moved, measured when they are averaged (recorded in metrics.json with the hop-length ratio).
-* `diverged`: the accuracy-based signs that the chains have broken the model (the warning);
+* `diverged`: the accuracy-based signs that the chains have broken the model (the warning;
+  `stalled` its first sign alone);
   `fedavg_as_low`: whether the FedAvg round their first hops form is no better off.
 * `chain_step`: a chain of one hop is a FedAvg client, taken whole.
 * `witness_due`, `witness_lost`, `parts_due`: what the server learns at little cost: the first
@@ -222,6 +223,17 @@ def fedavg_as_low(chance: float | None, first_hops_accuracy: float | None) -> bo
     return chance is not None and first_hops_accuracy is not None and first_hops_accuracy < EARLY_STALL_FACTOR * chance
 
 
+def stalled(aggregation: int, chance: float | None, average_accuracy: float, last: bool = False) -> str | None:
+    """`diverged`'s first sign alone: why the averaged model counts as still near `chance`, or None."""
+    factor = FINAL_STALL_FACTOR if last else EARLY_STALL_FACTOR if aggregation >= STALL_AGGREGATIONS else None
+    if chance is None or factor is None or average_accuracy >= factor * chance:
+        return None
+    return (
+        f"after {aggregation} aggregation{'s' if aggregation != 1 else ''} the averaged model scores "
+        f"{average_accuracy:.3f}, under {factor:g}x chance ({chance:.3f}, the level of the model the run started from)"
+    )
+
+
 def diverged(
     aggregation: int,
     chance: float | None,
@@ -238,12 +250,8 @@ def diverged(
     """
     if average_accuracy is None:
         return None
-    factor = FINAL_STALL_FACTOR if last else EARLY_STALL_FACTOR if aggregation >= STALL_AGGREGATIONS else None
-    if chance is not None and factor is not None and average_accuracy < factor * chance:
-        return (
-            f"after {aggregation} aggregation{'s' if aggregation != 1 else ''} the averaged model scores "
-            f"{average_accuracy:.3f}, under {factor:g}x chance ({chance:.3f}, the level of the model the run started from)"
-        )
+    if reason := stalled(aggregation, chance, average_accuracy, last):
+        return reason
     if part_accuracies:
         mean_part = float(np.mean(part_accuracies))
         if average_accuracy < mean_part - AVERAGE_ACCURACY_DROP_LIMIT:

@@ -40,6 +40,7 @@ from ..core.sequential import (
     parts_due,
     scored_parts,
     running_mean_share,
+    stalled,
     even_share,
     witness_due,
     witness_lost,
@@ -234,9 +235,8 @@ class ChainGuard:
             record["hop_rule"] = {"step": round(used, 4), "next_step": round(self.step, 4)}
         reason = diverged(self._aggregations, self._chance, average_accuracy, part_accuracies, last) if chained else None
         record["diverged"] = reason is not None
-        # The stall sign is judged first: without the parts' scores only it can give a reason.
-        stalled = diverged(self._aggregations, self._chance, average_accuracy, [], last) is not None
-        self._warn(reason, stalled and fedavg_as_low(self._chance, first_hops_accuracy))
+        stall = average_accuracy is not None and stalled(self._aggregations, self._chance, average_accuracy, last)
+        self._warn(reason, bool(stall) and fedavg_as_low(self._chance, first_hops_accuracy))
         return record
 
     def check_last(self, start: ArrayRecord, average: ArrayRecord, evaluate: Evaluate | None) -> None:
