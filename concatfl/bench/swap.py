@@ -5,7 +5,7 @@ loop (SGD, batch 32, one local epoch, lr from the train config), its own data lo
 original CIFAR-10 pickles, Fashion-MNIST's IDX files) and flwr-datasets' partitioners; its
 ClientApp's train handler knows nothing of concatfl. Only the ServerApp's strategy line changes
 between rows: FedAvg with every node and with FedCat's K of N nodes a round (equal
-participation), FedSeq, FedSeqInter, FedCat (its default K, and K = N) with default arguments,
+participation), Flower's own FedAvg with every node, FedSeq, FedSeqInter, FedCat (its default K, and K = N) with default arguments,
 FedConcat and FedConcat-ID (the app's handlers; 10 encoder + 10 classifier rounds), and the
 defaults again with 10 % of the replies fuzzed and with Flower's LocalDpMod on the clients.
 
@@ -70,6 +70,7 @@ def methods(clients: int) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {
         "FedAvg (every node)": {"variant": "fedavg", "fraction-train": 1.0},
         "FedAvg (K/N)": {"variant": "fedavg", "fraction-train": fedcat_k(clients) / clients},
+        "Flower's FedAvg (every node)": {"variant": "flower-fedavg", "fraction-train": 1.0},
         "FedSeq": {"variant": "fedseq"},
         "FedSeqInter": {"variant": "fedseq-inter"},
         "FedCat": {"variant": "fedcat"},
