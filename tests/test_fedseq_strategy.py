@@ -553,6 +553,16 @@ def test_fedseq_inter_averages_the_slots_every_n_s_rounds(fraction):
     assert [r["slots"]["aggregated"] for r in fedseq.history] == [False, True, False, True]
 
 
+
+@pytest.mark.parametrize("min_samples, warned", [(10, True), (100, False)])
+def test_fedseq_inter_warns_before_round_1_where_its_superclients_are_single_clients(caplog, min_samples, warned):
+    fedseq = strategy(FedSeqInter, min_samples=min_samples)  # every client holds 10 samples
+    with caplog.at_level(logging.WARNING):
+        run(fedseq, clients_for(8), 1)
+    told = [r.getMessage() for r in caplog.records if "superclients are single clients" in r.getMessage()]
+    assert told == (["FedSeqInter: " + sc.single_client_relay([[k] for k in range(8)], 10)] if warned else [])
+
+
 # ---------------------------------------------------------------------- state
 @pytest.mark.parametrize("cls", [FedSeq, FedSeqInter])
 def test_state_save_and_restore_continues_the_run_exactly(cls):

@@ -374,3 +374,25 @@ def test_a_late_client_joins_the_open_superclient_that_lacks_its_classes_most():
     assert sc.fitting_superclient(np.eye(4)[0], estimates, samples, {0: 2, 1: 3, 2: 1}, "kl", 3) == 0
     assert sc.fitting_superclient(None, estimates, samples, members, "kl", 3) == 2
     assert sc.fitting_superclient(np.eye(4)[0], estimates, samples, {0: 3, 1: 3, 2: 3}, "kl", 3) is None
+
+
+@pytest.mark.parametrize(
+    "groups, singles",
+    [
+        ([[0], [1], [2, 3]], 2),  # two of three: FedSeqInter would relay between single clients
+        ([[0], [1, 2]], 1),  # half
+        ([[0], [1, 2], [3, 4]], None),  # one of three
+        ([[0, 1], [2, 3]], None),
+        ([], None),
+    ],
+)
+def test_fedseq_inter_is_told_off_where_at_least_half_the_superclients_are_single_clients(groups, singles):
+    reason = sc.single_client_relay(groups, 800)
+    if singles is None:
+        assert reason is None
+    else:
+        assert reason.startswith(
+            f"{singles} of {len(groups)} superclients are single clients (they hold min-samples=800 samples alone): "
+            f"each model travels from client to client for {len(groups)} rounds"
+        )
+        assert reason.endswith("Use FedSeq (a single-client superclient trains as a FedAvg client) or a larger min_samples")

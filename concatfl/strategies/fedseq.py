@@ -29,15 +29,7 @@ from torch import nn
 from ..config import FEDSEQ_DISTRIBUTION_METRICS, parse_hop_step
 from ..core import superclients as sc
 from .common import (
-    METRICS_KEY,
-    NUM_EXAMPLES_KEY,
-    HopResult,
-    Request,
-    live_node_ids,
-    to_numpy,
-    to_record,
-    train_content,
-    weighted_average,
+    METRICS_KEY, NUM_EXAMPLES_KEY, HopResult, Request, live_node_ids, to_numpy, to_record, train_content, weighted_average,
 )
 from .fedavg import sample_count
 from .feddyn import FedDynServer, from_config as feddyn_from_config
@@ -474,9 +466,8 @@ class FedSeqInter(FedSeq):
     the current number of superclients) the slots are averaged, weighted by their counters,
     and all slots restart from that average with zeroed counters. Between aggregations the
     model the strategy returns (and that is evaluated) is the counter-weighted average of the
-    slots.
-
-    Parameters are FedSeq's.
+    slots. Parameters are FedSeq's; where most superclients are single clients the run warns
+    before round 1 (`core.superclients.single_client_relay`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -490,6 +481,8 @@ class FedSeqInter(FedSeq):
     def setup(self, grid: Grid, initial_arrays: ArrayRecord, train_config: ConfigRecord) -> None:
         """FedSeq's stage 1, then every slot starts from the initial model."""
         super().setup(grid, initial_arrays, train_config)
+        if reason := sc.single_client_relay(list(self.superclients.values()), self.setup_record["min_samples"]):
+            log(WARNING, "FedSeqInter: %s", reason)
         count = sample_count(self.fraction_train, len(self.superclients))
         self._slots = [to_numpy(initial_arrays)] * count
         self._slot_start = initial_arrays

@@ -131,7 +131,7 @@ class RecordedFlowerFedAvg(FlowerFedAvg):
             metrics = evaluate_fn(server_round, arrays)
             if server_round > 0:
                 seconds = time.perf_counter() - round_started
-                self.history.append({"round": server_round, **counted.take(), "seconds": seconds, **metrics})
+                self.history.append({"round": server_round, **counted.take(), "seconds": round(seconds, 4), **metrics})
             round_started = time.perf_counter()
             return metrics
 
