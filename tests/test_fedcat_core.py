@@ -11,6 +11,7 @@ from concatfl.core.fedcat import (
     devices_per_round,
     dispatch,
     is_grouping_round,
+    judged_late,
     make_groups,
     mbie_weights,
     pick_in_group,
@@ -140,3 +141,23 @@ def test_random_selection_draws_k_distinct_nodes_uniformly():
     assert all(len(set(d)) == 2 and set(d) <= set(nodes) for d in draws)
     frequencies = np.array([sum(node in d for d in draws) for node in nodes]) / len(draws)
     np.testing.assert_allclose(frequencies, [2 / 5] * 5, atol=0.03)
+
+
+@pytest.mark.parametrize(
+    "k, num_rounds, told",
+    [
+        (2, 20, None),  # the second average at round 4 of 20
+        (5, 20, None),  # at round 10: half the run
+        (6, 20, "20 rounds give 3 averages, so no check can compare this run with FedAvg before round 12"),
+        (10, 20, "20 rounds give 2 averages, so no check can compare this run with FedAvg before round 20"),
+        (100, 20, "20 rounds give 0 averages, so no check can compare this run with FedAvg before round 20"),
+        (20, 20, "20 rounds give 1 average, so no check can compare this run with FedAvg before round 20"),
+    ],
+)
+def test_a_run_whose_second_average_comes_after_half_its_rounds_is_judged_late(k, num_rounds, told):
+    reason = judged_late(k, num_rounds)
+    if told is None:
+        assert reason is None
+    else:
+        assert reason.startswith(f"K = {k} copies are averaged every {k} rounds: {told}; ")
+        assert reason.endswith("Use a smaller K (k=, fraction_train=) or at least 4K rounds")

@@ -12,6 +12,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from concatfl.core.fedcat import judged_late
 from concatfl.config import RunConfig
 from concatfl.strategies import FedCat as DefaultFedCat, build_strategy
 from tests.fakes import FakeGrid, reply_with
@@ -472,3 +473,12 @@ def test_copies_that_score_below_one_fedavg_round_of_their_first_hops_twice_are_
     warnings = [r.getMessage() for r in caplog.records if "FedAvg(fraction_train=K/N)" in r.getMessage()]
     assert len(warnings) == 1 and "round 6" in warnings[0]
     assert result.evaluate_metrics_serverapp[6]["accuracy"] == 0.3  # FedCat keeps its own average
+
+
+@pytest.mark.parametrize("rounds, warned", [(3, True), (8, False)])
+def test_a_run_too_short_for_its_checks_to_speak_early_is_told_at_its_first_round(caplog, rounds, warned):
+    strategy = FedCat(k=2, seed=0)
+    with caplog.at_level("WARNING"):
+        _run(strategy, _grid([1, 2, 3, 4]), rounds=rounds)
+    told = [r.getMessage() for r in caplog.records if "so no check can compare this run" in r.getMessage()]
+    assert told == (["FedCat: " + judged_late(2, rounds)] if warned else [])
