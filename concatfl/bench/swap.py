@@ -5,9 +5,10 @@ loop (SGD, batch 32, one local epoch, lr from the train config), its own data lo
 original CIFAR-10 pickles, Fashion-MNIST's IDX files) and flwr-datasets' partitioners; its
 ClientApp's train handler knows nothing of concatfl. Only the ServerApp's strategy line changes
 between rows: FedAvg with every node and with FedCat's K of N nodes a round (equal
-participation), Flower's own FedAvg with every node, FedSeq, FedSeqInter, FedCat (its default K, and K = N) with default arguments,
-FedConcat and FedConcat-ID (the app's handlers; 10 encoder + 10 classifier rounds), and the
-defaults again with 10 % of the replies fuzzed and with Flower's LocalDpMod on the clients.
+participation), Flower's own FedAvg with every node, FedSeq, FedSeqInter, FedCat (its default
+K, and K = N) with default arguments, FedConcat and FedConcat-ID (the app's handlers; 10 encoder
++ 10 classifier rounds), and the defaults again with 10 % of the replies fuzzed and with
+Flower's LocalDpMod on the clients.
 
 Federations: 10 clients of ~4,000 images and 100 of ~400 (a stratified 40,000 of the training
 set, the whole 10,000-image test set), each label-skewed by #C=1 (100 clients), #C=2 or
