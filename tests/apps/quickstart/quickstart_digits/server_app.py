@@ -111,10 +111,9 @@ class RecordedFlowerFedAvg(FlowerFedAvg):
     """Flower's own FedAvg (no evaluation round: the server evaluates), keeping the per-round
     record concatfl's strategies keep (`history`), so both write the same metrics.json."""
 
-    setup_record: dict = {}
-
     def __init__(self, fraction_train: float) -> None:
         super().__init__(fraction_train=fraction_train, fraction_evaluate=0.0)
+        self.setup_record: dict = {}  # no stage before round 1
         self.history: list[dict] = []
 
     def global_module(self, arrays: ArrayRecord, make_model: Callable[[], nn.Module]) -> nn.Module:
