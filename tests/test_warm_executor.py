@@ -100,14 +100,17 @@ def test_an_executor_started_with_sigint_ignored_still_exits_with_its_parent(tmp
 def test_the_parent_monitor_interrupts_a_main_thread_waiting_out_a_retry_back_off():
     # Flower's retry back-off waits on an Event; a SIGINT raised in the monitor's own thread
     # would reach the main thread only when that wait ends (up to a minute).
-    ended = subprocess.Popen(["true"])
-    ended.wait()
-    monitor = threading.Thread(target=stop_with_parent, args=(ended.pid, types.SimpleNamespace(worker=None), None),
+    parent = subprocess.Popen(["sleep", "1"])  # ends while the main thread waits (a signal
+    # sent before the wait has begun would be one the wait never sees, whoever sends it)
+    monitor = threading.Thread(target=stop_with_parent, args=(parent.pid, types.SimpleNamespace(worker=None), None),
                                daemon=True)
     started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):  # entered first: the parent is gone, the SIGINT comes at once
-        monitor.start()
-        threading.Event().wait(30)
+    try:
+        with pytest.raises(KeyboardInterrupt):  # entered first: the SIGINT comes a second in
+            monitor.start()
+            threading.Event().wait(30)
+    finally:
+        parent.wait()
     assert time.monotonic() - started < 5
 
 
