@@ -100,8 +100,9 @@ def test_an_executor_started_with_sigint_ignored_still_exits_with_its_parent(tmp
 def test_the_parent_monitor_interrupts_a_main_thread_waiting_out_a_retry_back_off():
     # Flower's retry back-off waits on an Event; a SIGINT raised in the monitor's own thread
     # would reach the main thread only when that wait ends (up to a minute).
-    parent = subprocess.Popen(["sleep", "1"])  # ends while the main thread waits (a signal
-    # sent before the wait has begun would be one the wait never sees, whoever sends it)
+    # The parent ends while the main thread already waits: a signal sent before the wait has begun
+    # is one the wait never sees, whoever sends it.
+    parent = subprocess.Popen(["sleep", "1"])
     monitor = threading.Thread(target=stop_with_parent, args=(parent.pid, types.SimpleNamespace(worker=None), None),
                                daemon=True)
     started = time.monotonic()

@@ -28,11 +28,8 @@ def judged_late(k: int, num_rounds: int) -> str | None:
     """Why no check can judge a FedCat run early, or None. Its copies are averaged every K
     rounds and its checks judge averaged models, two of them before they warn
     (`core.sequential`): where the second average (round 2K) comes after half of `num_rounds`, a
-    run that trails FedAvg is told only near its end. In the swap map's 20-round runs FedCat with
-    K = N on 10 CIFAR-10 clients of 4,000 images ended 19 and 22 points behind FedAvg with every
-    node (#C=2, Dir(0.1); three seeds), and K = 10 of 100 Fashion-MNIST clients 6-20 behind FedAvg at that
-    participation (8 over 40 rounds, where no check warned); their checks spoke only at the last
-    round (docs/results.md)."""
+    run that trails FedAvg is told only near its end. The reason quotes the swap map's runs whose
+    checks spoke only at their last round, or not at all (docs/results.md)."""
     if 4 * k <= num_rounds:
         return None
     averages = num_rounds // k
