@@ -652,6 +652,15 @@ def test_a_superclient_of_one_client_is_a_fedavg_client_its_hop_taken_whole():
     assert close(models[1], expected)
 
 
+def test_a_hop_of_a_short_chain_counts_at_least_its_clients_share_of_the_superclients_data():
+    clients = clients_for(2, [10, 30])
+    fedseq = strategy(min_samples=40, hop_step=0.25)  # one superclient of both: 10 + 30 examples
+    _, models, _ = run(fedseq, clients, 1)
+    start = as_state(initial_arrays())
+    # Node 1 (10 of 40) moves the chain by η = 0.25 of its +1, node 2 (30 of 40) by 0.75 of its +2.
+    assert close(models[1], {key: start[key] + 0.25 * 1 + 0.75 * 2 for key in start})
+
+
 def witness_run(caplog, rounds: int, scores: list[float]):
     """Superclients of two clients and the damped default step; the server's evaluation answers
     `scores` in turn (the start model's first)."""

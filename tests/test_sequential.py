@@ -318,9 +318,13 @@ def test_the_running_mean_and_even_shares():
     assert chain["w"].tolist() == [4.0]  # 0 → 2 (half the way to 4), then 2 → 4 (half the way to 6)
 
 
-def test_a_chain_of_one_hop_is_taken_whole():
-    assert [chain_step(0.25, hops) for hops in (1, 2, 8)] == [1.0, 0.25, 0.25]
-    assert chain_step(1.0, 1) == 1.0
+def test_a_chain_of_one_hop_is_taken_whole_and_a_hop_counts_at_least_its_share_of_the_chain():
+    assert chain_step(0.25, 1, 400, 400) == 1.0 and chain_step(0.25, 1, 390, 400) == 1.0
+    assert [chain_step(0.25, 2, 400, 800), chain_step(0.25, 3, 400, 1200)] == [0.5, 400 / 1200]
+    assert chain_step(0.25, 5, 160, 800) == 0.25  # five equal clients: 0.2 < η
+    # One client of 747 images beside one of 4,018: the large one weighs its share, the small one η.
+    assert [chain_step(0.25, 2, 747, 4765), chain_step(0.25, 2, 4018, 4765)] == [0.25, 4018 / 4765]
+    assert chain_step(1.0, 2, 10, 20) == 1.0  # the paper's undamped hops stay undamped
 
 
 def test_the_witness_compares_at_the_first_three_aggregations_then_every_fifth():

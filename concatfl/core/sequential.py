@@ -20,7 +20,8 @@ algorithm exactly. What is here:
 * `diverged`: the accuracy-based signs that the chains have broken the model (the warning;
   `stalled` its first sign alone);
   `fedavg_as_low`: whether the FedAvg round their first hops form is no better off.
-* `chain_step`: a chain of one hop is a FedAvg client, taken whole.
+* `chain_step`: a hop counts at least its client's share of the chain's data; a chain of one
+  hop is a FedAvg client, taken whole.
 * `witness_due`, `witness_lost`, `parts_due`: what the server learns at little cost: the first
   hops of the chains start from the model the chains started from, as FedAvg's clients do, so
   their average is a FedAvg round; with the run's evaluation the server compares it with the
@@ -132,13 +133,20 @@ def adapt_step(step: float, hop_ratio: float) -> float:
     return min(1.0, max(STEP_LOW, step * (TARGET_HOP_RATIO / hop_ratio) ** STEP_GAIN))
 
 
-def chain_step(step: float, chain_hops: int) -> float:
-    """The step of a hop of a chain of `chain_hops` hops: `step`, but 1 for a chain of one hop.
+def chain_step(step: float, chain_hops: int, examples: float, planned: float) -> float:
+    """The share of a hop of a chain of `chain_hops` hops that folds `planned` examples in all:
+    `step`, but never less than the hop's share of the chain's data (`even_share`), and 1 for a
+    chain of one hop.
 
     A chain of one hop starts from the global model and ends there: it is a FedAvg client, and a
     damped step would only make it FedAvg with a smaller server step (FedSeq with clients larger
-    than its superclient size is such a federation)."""
-    return 1.0 if chain_hops == 1 else step
+    than its superclient size is such a federation). The floor carries that to short chains: a
+    chain of two moves at least as far as its clients' FedAvg update, not a quarter of the way,
+    beside chains of one taken whole (Dir(0.1) forms both: docs/results.md, the swap map). Chains
+    of more than 1/`step` equal clients keep `step`."""
+    if chain_hops == 1:
+        return 1.0
+    return max(step, even_share(examples, planned))
 
 
 def witness_due(aggregation: int) -> bool:

@@ -164,9 +164,10 @@ class FedSeq(SuperclientStage):
         balance from them too.
     hop_step, hop_clip, check_parts (default: 0.25, 1.5, True)
         The server's damped (η; "auto": adapted from the hops' lengths) and bounded (c) hops
-        and its divergence check: see `ChainGuard` and docs/strategies.md. A chain of one client
-        is a FedAvg client: its hop is taken whole. `hop_step=1, hop_clip=0` (with
-        `update_clip=0`) is the paper's algorithm exactly.
+        and its divergence check: see `ChainGuard` and docs/strategies.md. A hop counts at least
+        its client's share of the superclient's data, so a chain of one client is a FedAvg
+        client: its hop is taken whole. `hop_step=1, hop_clip=0` (with `update_clip=0`) is the
+        paper's algorithm exactly.
     witness : bool (default: True)
         With the run's `evaluate_fn`, compare the chains' average with the FedAvg round their
         first hops form now and then, and warn when the chains keep losing (`FirstHopWitness`;

@@ -148,8 +148,8 @@ class ChainGuard:
         join the reference instead of being bounded by `hop_clip`). For the rules that weigh a
         hop by its examples: `held[i]`, the examples reply i's travelling model holds already
         (`hop_step='mean'`; 0 for a first hop), and `planned[i]`, the examples its chain folds in
-        all (`hop_step='even'`). `chain_hops[i]`: the hops of reply i's chain; a chain of one hop is
-        taken whole (`core.sequential.chain_step`)."""
+        all (`hop_step='even'`). `chain_hops[i]`: the hops of reply i's chain; given, a hop counts at
+        least its share of `planned[i]` and a chain of one hop is taken whole (`core.sequential.chain_step`)."""
         self.budget.begin()
         step: float | Callable[[int, int], float] = self.step
         if self.hop_step == MEAN:
@@ -158,10 +158,10 @@ class ChainGuard:
         elif self.hop_step == EVEN:
             chain = list(planned)
             step = lambda index, examples: even_share(examples, chain[index])  # noqa: E731
-        if any(hops == 1 for hops in chain_hops):
-            rule, lengths = step, list(chain_hops)
+        if chain_hops:
+            rule, lengths, totals = step, list(chain_hops), list(planned)
             step = lambda index, examples: chain_step(  # noqa: E731
-                rule(index, examples) if callable(rule) else rule, lengths[index]
+                rule(index, examples) if callable(rule) else rule, lengths[index], examples, totals[index]
             )
         folded = self.replies.bound(
             replies, step=step, hop_clip=0.0 if first_hop else self.hop_clip, joins=first_hop
