@@ -52,7 +52,8 @@ Evaluate = Callable[[ArrayRecord], MetricRecord | None]
 # The steps and bound FedCat and FedSeq use unless told otherwise (docs/results.md, the
 # sequential-stability map over 18 settings of step size, epochs and optimizer, gives the
 # evidence; docs/strategies.md the reasoning). No rule met every target there. FedSeq takes the
-# fixed 0.25: within 2 points of FedAvg with every node in 14 of 18 cells and never at chance
+# fixed 0.25, a hop never below its share of its chain's data (`chain_step`; the swap map's short
+# chains): within 2 points of FedAvg with every node in 14 of 18 cells and never at chance
 # (0.5 collapsed to chance in two cells with large steps; "even" fell 16 points short where
 # steps are small). FedCat keeps the fixed 0.5: its gap to FedAvg at equal participation is
 # structural (one average per K rounds), and 0.5 is its best rule in most cells. "even",
