@@ -716,3 +716,5 @@ def test_a_run_at_chance_is_the_chains_doing_only_when_there_are_chains(caplog, 
                      train_config=ConfigRecord({"lr": 0.1}), evaluate_fn=lambda _, arrays: at_chance)
     assert [r["divergence"]["diverged"] for r in fedseq.history] == [False] * (STALL_AGGREGATIONS - 1) + [warned]
     assert any("diverge" in r.getMessage() for r in caplog.records) == warned
+    # Its advice says that a smaller hop_step does not damp a hop below its client's share.
+    assert any("at least its client's share of its chain" in r.getMessage() for r in caplog.records) == warned

@@ -178,6 +178,7 @@ def test_guard_check_records_divergence_and_warns_once(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "FedCat" in warnings[0] and "fedcat-hop-clip" in warnings[0] and "0.100" in warnings[0]
+    assert "share of its chain" not in warnings[0]  # FedCat's hops have no share floor
 
 
 def test_guard_warns_when_the_average_stalls_near_chance(caplog):

@@ -133,6 +133,7 @@ class ChainGuard:
         self._chance: float | None = None  # the level of the model the first chains started from
         self._start_checked = False
         self._warned = False
+        self._share_floor = False  # whether hops count at least their share of their chain (FedSeq)
 
     # pylint: disable=too-many-arguments
     def fold(
@@ -160,6 +161,7 @@ class ChainGuard:
             chain = list(planned)
             step = lambda index, examples: even_share(examples, chain[index])  # noqa: E731
         if chain_hops:
+            self._share_floor = True
             rule, lengths, totals = step, list(chain_hops), list(planned)
             step = lambda index, examples: chain_step(  # noqa: E731
                 rule(index, examples) if callable(rule) else rule, lengths[index], examples, totals[index]
@@ -286,12 +288,13 @@ class ChainGuard:
             WARNING,
             "%s: " + verdict + ", or let the server damp each hop more: %s=even (each hop counts as much as its "
             "client's share of the chain: near FedAvg at every step size in the sequential-stability map) or a "
-            "smaller number (now %s), and %s (now %s), the constructor's hop_step and hop_clip. Recorded per "
+            "smaller number (now %s%s), and %s (now %s), the constructor's hop_step and hop_clip. Recorded per "
             "aggregation as 'divergence' in metrics.json; this warning is logged once per run.",
             self.strategy,
             reason,
             self.keys[0],
             self.hop_step,
+            "; a hop still counts at least its client's share of its chain" if self._share_floor else "",
             self.keys[1],
             self.hop_clip,
         )
