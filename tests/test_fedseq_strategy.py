@@ -690,13 +690,18 @@ def test_chains_that_lose_to_their_first_hops_fedavg_round_twice_in_a_row_are_wa
 
 
 def test_a_loss_within_the_margin_or_not_in_a_row_is_no_warning(caplog):
-    _, _, warnings = witness_run(caplog, 3, [0.1, 0.30, 0.40, 0.35, 0.36, 0.40, 0.50])
+    _, _, warnings = witness_run(caplog, 3, [0.1, 0.30, 0.40, 0.35, 0.36, 0.40, 0.41])
     assert warnings == []
 
 
+def test_a_run_that_ends_on_a_lost_comparison_is_warned_about(caplog):
+    _, _, warnings = witness_run(caplog, 3, [0.1, 0.30, 0.40, 0.35, 0.36, 0.40, 0.45])
+    assert len(warnings) == 1 and "round 3" in warnings[0] and "at the run's last aggregation" in warnings[0]
+
+
 def test_between_comparisons_nothing_more_is_evaluated(caplog):
-    fedseq, _, _ = witness_run(caplog, 4, [0.1] + [0.2] * 7)  # 1 + 2 × 3 compared rounds + 1
-    assert ["witness" in record for record in fedseq.history] == [True, True, True, False]
+    fedseq, _, _ = witness_run(caplog, 6, [0.1] + [0.2] * 11)  # 1 + 2 × 5 compared rounds + 1
+    assert ["witness" in record for record in fedseq.history] == [True, True, True, False, True, True]
 
 
 def test_superclients_of_one_client_are_neither_scored_one_by_one_nor_compared_with_their_first_hops():

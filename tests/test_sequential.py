@@ -26,6 +26,7 @@ from concatfl.core.sequential import (
     scored_parts,
     witness_due,
     witness_lost,
+    witness_warns,
 )
 from concatfl.strategies.common import Reply, Request, to_numpy, to_record, train_content
 from concatfl.strategies.guard import ReplyGuard
@@ -328,8 +329,16 @@ def test_a_chain_of_one_hop_is_taken_whole_and_a_hop_counts_at_least_its_share_o
     assert chain_step(1.0, 2, 10, 20) == 1.0  # the paper's undamped hops stay undamped
 
 
-def test_the_witness_compares_at_the_first_three_aggregations_then_every_fifth():
+def test_the_witness_compares_at_the_first_three_aggregations_then_every_fifth_and_at_the_last():
     assert [aggregation for aggregation in range(1, 21) if witness_due(aggregation)] == [1, 2, 3, 5, 10, 15, 20]
+    assert [aggregation for aggregation in range(1, 13) if witness_due(aggregation, last=aggregation == 12)] == [
+        1, 2, 3, 5, 10, 12,
+    ]
+
+
+def test_losses_to_the_first_hops_are_said_twice_in_a_row_or_once_at_the_runs_end():
+    assert [witness_warns(losses, last=False) for losses in (0, 1, 2, 3)] == [False, False, True, True]
+    assert [witness_warns(losses, last=True) for losses in (0, 1, 2)] == [False, True, True]
 
 
 def test_the_chains_lose_a_comparison_only_by_more_than_the_margin():
@@ -406,6 +415,29 @@ def test_the_witness_always_compares_at_its_first_three_aggregations_then_within
     resumed = FirstHopWitness("FedSeq", 0.0, "Use FedAvg.", guard.budget)
     resumed.load_state_dict(witness.state_dict())
     assert resumed.state_dict() == witness.state_dict()
+
+
+def test_the_witness_compares_at_the_runs_last_aggregation_whatever_the_budget():
+    now = [0.0]
+    guard = chain_guard(1.0, 0.0, name="FedSeq")
+    guard.budget.clock = lambda: now[0]
+    witness = FirstHopWitness("FedSeq", 0.0, "Use FedAvg.", guard.budget)
+
+    def evaluate(arrays: ArrayRecord) -> MetricRecord:
+        now[0] += 10.0  # an evaluation as long as a round: only the checks that always run fit
+        return MetricRecord({"accuracy": 0.5})
+
+    compared = []
+    for aggregation in range(1, 7):
+        start = record([0.0])
+        witness.begin(to_numpy(start))
+        sent = [hop(start, record([1.0]))]
+        witness.note(sent, guard.fold(sent, first_hop=True))
+        now[0] += 12.5
+        if witness.compare(aggregation, record([2.0]), evaluate, last=aggregation == 6):
+            compared.append(aggregation)
+    assert compared == [1, 2, 3, 6]
+    assert guard.budget.as_record() == {"seconds": 40.0, "evaluations": 4, "skipped": 1}
 
 
 def test_at_most_the_three_heaviest_averaged_models_are_scored():

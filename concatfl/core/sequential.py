@@ -22,11 +22,12 @@ algorithm exactly. What is here:
   `fedavg_as_low`: whether the FedAvg round their first hops form is no better off.
 * `chain_step`: a hop counts at least its client's share of the chain's data; a chain of one
   hop is a FedAvg client, taken whole.
-* `witness_due`, `witness_lost`, `parts_due`: what the server learns at little cost: the first
-  hops of the chains start from the model the chains started from, as FedAvg's clients do, so
-  their average is a FedAvg round; with the run's evaluation the server compares it with the
-  chains' average (`witness_due` says when, `witness_lost` who lost), and scores the averaged
-  models one by one only every few aggregations (`parts_due`).
+* `witness_due`, `witness_lost`, `witness_warns`, `parts_due`: what the server learns at little
+  cost: the first hops of the chains start from the model the chains started from, as FedAvg's
+  clients do, so their average is a FedAvg round; with the run's evaluation the server compares
+  it with the chains' average (`witness_due` says when, `witness_lost` who lost, `witness_warns`
+  when the losses are said), and scores the averaged models one by one only every few
+  aggregations (`parts_due`).
 * `check_affordable`: whether a check due by that schedule may run, from what the checks'
   evaluations have cost so far against the run's time.
 
@@ -69,9 +70,10 @@ STEP_GAIN = 1.0
 # How many recent later hops the ratio is the median of.
 ADAPT_WINDOW = 20
 # The server compares the chains' average with their first hops' (a FedAvg round) at each of the
-# first WITNESS_FIRST aggregations, then every WITNESS_EVERY: one server evaluation more each.
-# The chains lose a comparison when the first hops score more than WITNESS_MARGIN above them
-# (early rounds near chance differ by noise), and the run warns after LOSSES_TO_WARN in a row.
+# first WITNESS_FIRST aggregations, then every WITNESS_EVERY, and at the run's last: one server
+# evaluation more each. The chains lose a comparison when the first hops score more than
+# WITNESS_MARGIN above them (early rounds near chance differ by noise), and the run warns after
+# LOSSES_TO_WARN in a row, or when it ends on a lost one (no later comparison can confirm it).
 # The averaged models are scored one by one (the divergence check's second sign) at the first
 # aggregation, every PART_CHECK_EVERY and the last, at most MAX_PARTS_SCORED of them (the
 # heaviest): FedSeq with many small clients averages dozens of superclient models.
@@ -149,9 +151,17 @@ def chain_step(step: float, chain_hops: int, examples: float, planned: float) ->
     return max(step, even_share(examples, planned))
 
 
-def witness_due(aggregation: int) -> bool:
-    """Whether the `aggregation`-th aggregation (from 1) compares the chains with their first hops."""
-    return aggregation <= WITNESS_FIRST or aggregation % WITNESS_EVERY == 0
+def witness_due(aggregation: int, last: bool = False) -> bool:
+    """Whether the `aggregation`-th aggregation (from 1; `last`: the run's last) compares the
+    chains with their first hops."""
+    return last or aggregation <= WITNESS_FIRST or aggregation % WITNESS_EVERY == 0
+
+
+def witness_warns(losses_in_a_row: int, last: bool) -> bool:
+    """Whether the chains' losses to their first hops (the comparisons lost in a row, this one
+    included) are to be warned about: LOSSES_TO_WARN of them, or one at the run's `last`
+    aggregation, where the run ends behind the FedAvg round it could have had."""
+    return losses_in_a_row >= LOSSES_TO_WARN or (last and losses_in_a_row >= 1)
 
 
 def witness_lost(chains_accuracy: float, first_hops_accuracy: float) -> bool:

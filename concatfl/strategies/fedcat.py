@@ -418,6 +418,7 @@ class FedCat(RelayStrategy):
         if self.feddyn is not None:
             averaged = self.feddyn.step(self._cycle_start, [copy for copy, _ in trained], averaged, len(self._copies))
             self.record("feddyn_h_norm", self.feddyn.h_norm)
+        last = server_round == self.last_round
         self.record(
             "divergence",
             self.chain.check(
@@ -426,12 +427,12 @@ class FedCat(RelayStrategy):
                 [size for _, size in trained],
                 averaged,
                 self.evaluate_on_server(server_round),
-                last=server_round == self.last_round,
+                last=last,
                 first_hops_accuracy=self._witness.first_hops_accuracy,
             ),
         )
         if self.feddyn is None:  # FedDyn's corrected average is no plain average to compare
-            if compared := self._witness.compare(server_round, averaged, self.evaluate_on_server(server_round)):
+            if compared := self._witness.compare(server_round, averaged, self.evaluate_on_server(server_round), last):
                 self.record("witness", compared)
         return averaged
 

@@ -170,8 +170,9 @@ class FedSeq(SuperclientStage):
         paper's algorithm exactly.
     witness : bool (default: True)
         With the run's `evaluate_fn`, compare the chains' average with the FedAvg round their
-        first hops form now and then, and warn when the chains keep losing (`FirstHopWitness`;
-        FedSeq without FedDyn only): a federation where they do worse than FedAvg is said in the log.
+        first hops form now and then, and warn when the chains keep losing or end behind
+        (`FirstHopWitness`; FedSeq without FedDyn only): a federation where they do worse than
+        FedAvg is said in the log.
     fraction_evaluate, round_timeout, seed, update_clip, weight_clip, history_check
         See `RelayStrategy`. The pre-training replies are bounded against each other (stream
         "pretrain"): their sample counts are the superclients' weights.
@@ -388,8 +389,10 @@ class FedSeq(SuperclientStage):
         average = self._feddyn_step(self._round_start, models, weighted_average(models, weights), len(self.superclients))
         chained = any(chain.planned > 1 for chain in trained)  # chains of one hop are FedAvg's clients
         self._check_divergence(server_round, self._round_start, models, weights, average, chained)
-        if chained and self._witness and (compared := self._witness.compare(server_round, average, self.evaluate_on_server(server_round))):
-            self.record("witness", compared)
+        if chained and self._witness:
+            last = server_round == self.last_round
+            if compared := self._witness.compare(server_round, average, self.evaluate_on_server(server_round), last):
+                self.record("witness", compared)
         return average
 
     def _check_divergence(

@@ -44,6 +44,7 @@ from ..core.sequential import (
     even_share,
     witness_due,
     witness_lost,
+    witness_warns,
 )
 from .common import Reply, to_numpy, to_record, weighted_average
 from .guard import ReplyGuard
@@ -383,12 +384,13 @@ class FirstHopWitness:
     whole, is a FedAvg round of those clients, which the server gets at no cost in training or
     traffic. With the run's `evaluate_fn` the server scores it beside the chains' average at the
     aggregations `core.sequential.witness_due` names that `budget` affords (one evaluation more
-    each; the chains' average is the global model, evaluated by the run anyway) and records both
-    (``witness``); when the chains lose by more than `core.sequential.WITNESS_MARGIN` at
-    `LOSSES_TO_WARN` comparisons in a row it warns, once: the federation is not the method's
-    regime. The global model is never replaced: the first hops are only as many clients as there
-    are chains, a sample too small to stand for FedAvg's round. Without an `evaluate_fn` nothing
-    is compared, which the run says once.
+    each; the chains' average is the global model, evaluated by the run anyway; the first
+    `WITNESS_FIRST` and the run's last always run) and records both (``witness``); when the
+    chains lose by more than `core.sequential.WITNESS_MARGIN` as often as
+    `core.sequential.witness_warns` says (twice in a row, or at the run's last aggregation) it
+    warns, once: the federation is not the method's regime. The global model is never replaced:
+    the first hops are only as many clients as there are chains, a sample too small to stand for
+    FedAvg's round. Without an `evaluate_fn` nothing is compared, which the run says once.
     """
 
     def __init__(self, strategy: str, update_clip: float, advice: str, budget: CheckBudget) -> None:
@@ -418,8 +420,11 @@ class FirstHopWitness:
             self._models.append(move(self._start, received[id(reply.request)].numpy(), whole))
             self._weights.append(float(reply.num_examples))
 
-    def compare(self, server_round: int, chains: ArrayRecord, evaluate: Evaluate | None) -> dict[str, Any]:
-        """The record of this aggregation's comparison ({} when none is due or possible)."""
+    def compare(
+        self, server_round: int, chains: ArrayRecord, evaluate: Evaluate | None, last: bool = False
+    ) -> dict[str, Any]:
+        """The record of this aggregation's comparison ({} when none is due or possible; `last`:
+        the run's last aggregation, always compared)."""
         if not self._models:
             return {}
         if evaluate is None:
@@ -429,7 +434,8 @@ class FirstHopWitness:
                     "hops form; a federation where they do worse than FedAvg goes unnoticed", self.strategy)
             return {}
         self._aggregations += 1
-        if not witness_due(self._aggregations) or not self.budget.affords(1, early=self._aggregations <= WITNESS_FIRST):
+        early = last or self._aggregations <= WITNESS_FIRST
+        if not witness_due(self._aggregations, last) or not self.budget.affords(1, early=early):
             return {}
         first_hops = weighted_average(self._models, self._weights)
         chains_accuracy, first_accuracy = _accuracy(evaluate(chains)), _accuracy(self.budget.timed(evaluate)(first_hops))
@@ -437,12 +443,14 @@ class FirstHopWitness:
             return {}
         self.first_hops_accuracy = first_accuracy
         self._streak = self._streak + 1 if witness_lost(chains_accuracy, first_accuracy) else 0
-        if self._streak >= LOSSES_TO_WARN and not self._warned:
+        if witness_warns(self._streak, last) and not self._warned:
             self._warned = True
+            in_a_row = self._streak >= LOSSES_TO_WARN
+            when = f"at {self._streak} comparisons in a row" if in_a_row else "at the run's last aggregation"
             log(WARNING, "%s: in round %s the chains' average scores %.4f, one FedAvg round of the chains' first clients "
-                "from the same model %.4f (their first hops), behind it at %d comparisons in a row: here %s does "
-                "worse than FedAvg. %s Each comparison is recorded as 'witness'; this warning is logged once per run.",
-                self.strategy, server_round, chains_accuracy, first_accuracy, self._streak, self.strategy, self.advice)
+                "from the same model %.4f (their first hops), behind it %s: here %s does worse than FedAvg. %s "
+                "Each comparison is recorded as 'witness'; this warning is logged once per run.",
+                self.strategy, server_round, chains_accuracy, first_accuracy, when, self.strategy, self.advice)
         return {"chains_accuracy": round(chains_accuracy, 4), "first_hops_accuracy": round(first_accuracy, 4)}
 
     def state_dict(self) -> dict[str, Any]:
