@@ -42,7 +42,13 @@ if TYPE_CHECKING:
     from ..runtime import ServerEnv
 
 APPROXIMATORS = ("conf", "clf")
-ADVICE = "FedAvg with every node may do better; so may superclients of other sizes (min_samples) or a smaller hop step."
+# The witness cannot tell damping from divergence: it names both ways of the hop step.
+ADVICE = (
+    "FedAvg with every node may do better; so may superclients of other sizes (min_samples) or another hop step: "
+    "a larger one where clients hold many classes (on 100 Fashion-MNIST clients of Dir(0.5), hop_step=1 led FedAvg "
+    "by 3 points where the default trailed it by 3), a smaller one where the chains diverge (the divergence warning "
+    "says so)."
+)
 
 
 @dataclass
