@@ -389,25 +389,33 @@ def test_the_budget_skips_the_scheduled_checks_it_cannot_afford():
     assert budget.as_record() == {"seconds": 9.8, "evaluations": 7, "skipped": 3}
 
 
-def test_the_witness_always_compares_at_its_first_three_aggregations_then_within_the_budget():
+def witness_schedule(rounds: int, evaluation_seconds: float, last: int | None = None):
+    """A witness over `rounds` aggregations of 12.5 s rounds whose evaluations take
+    `evaluation_seconds` (`last`: the aggregation told it is the run's last): the witness, its
+    guard, and the aggregations it compared at."""
     now = [0.0]
     guard = chain_guard(1.0, 0.0, name="FedSeq")
     guard.budget.clock = lambda: now[0]
     witness = FirstHopWitness("FedSeq", 0.0, "Use FedAvg.", guard.budget)
 
     def evaluate(arrays: ArrayRecord) -> MetricRecord:
-        now[0] += 1.4
+        now[0] += evaluation_seconds
         return MetricRecord({"accuracy": 0.5})
 
     compared = []
-    for aggregation in range(1, 21):
+    for aggregation in range(1, rounds + 1):
         start = record([0.0])
         witness.begin(to_numpy(start))
         sent = [hop(start, record([1.0]))]
         witness.note(sent, guard.fold(sent, first_hop=True))
         now[0] += 12.5
-        if witness.compare(aggregation, record([2.0]), evaluate):
+        if witness.compare(aggregation, record([2.0]), evaluate, last=aggregation == last):
             compared.append(aggregation)
+    return witness, guard, compared
+
+
+def test_the_witness_always_compares_at_its_first_three_aggregations_then_within_the_budget():
+    witness, guard, compared = witness_schedule(20, 1.4)
     # Due at 1, 2, 3, 5, 10, 15, 20; at the 5th (70.9 s) the 4.2 s spent leave no room for 1.4 s more.
     assert compared == [1, 2, 3, 10, 15, 20]
     assert guard.budget.as_record() == {"seconds": 8.4, "evaluations": 6, "skipped": 1}
@@ -418,24 +426,8 @@ def test_the_witness_always_compares_at_its_first_three_aggregations_then_within
 
 
 def test_the_witness_compares_at_the_runs_last_aggregation_whatever_the_budget():
-    now = [0.0]
-    guard = chain_guard(1.0, 0.0, name="FedSeq")
-    guard.budget.clock = lambda: now[0]
-    witness = FirstHopWitness("FedSeq", 0.0, "Use FedAvg.", guard.budget)
-
-    def evaluate(arrays: ArrayRecord) -> MetricRecord:
-        now[0] += 10.0  # an evaluation as long as a round: only the checks that always run fit
-        return MetricRecord({"accuracy": 0.5})
-
-    compared = []
-    for aggregation in range(1, 7):
-        start = record([0.0])
-        witness.begin(to_numpy(start))
-        sent = [hop(start, record([1.0]))]
-        witness.note(sent, guard.fold(sent, first_hop=True))
-        now[0] += 12.5
-        if witness.compare(aggregation, record([2.0]), evaluate, last=aggregation == 6):
-            compared.append(aggregation)
+    # An evaluation as long as a round: only the comparisons that always run fit.
+    _, guard, compared = witness_schedule(6, 10.0, last=6)
     assert compared == [1, 2, 3, 6]
     assert guard.budget.as_record() == {"seconds": 40.0, "evaluations": 4, "skipped": 1}
 
