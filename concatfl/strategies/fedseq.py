@@ -267,7 +267,9 @@ class FedSeq(SuperclientStage):
         self.feddyn = feddyn
         self.report_label_counts = report_label_counts
         keys = ("fedseq-hop-step", "fedseq-hop-clip")
-        self.chain = ChainGuard(type(self).__name__, self.guard, hop_step, hop_clip, keys, check_parts)
+        self.chain = ChainGuard(
+            type(self).__name__, self.guard, hop_step, hop_clip, keys, check_parts, share_floor=True
+        )
         # FedDyn's corrected average is no plain average of first hops: no witness then.
         self.witness = witness
         self._witness = FirstHopWitness(type(self).__name__, update_clip, ADVICE, self.chain.budget) if witness and feddyn is None else None

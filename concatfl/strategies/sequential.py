@@ -98,6 +98,10 @@ class ChainGuard:
         model the run started from, with the run's `evaluate_fn`: the warning's signs need these
         accuracies (the average's is the global model's, which the run evaluates anyway). The
         models one by one are skipped when the guard's `budget` (a `CheckBudget`) cannot afford them.
+    share_floor : bool
+        A hop counts at least its client's share of its chain's data and a chain of one hop is
+        taken whole (`core.sequential.chain_step`; FedSeq's superclient chains): `fold` is then
+        given each reply's `planned` examples and `chain_hops`.
     """
 
     # pylint: disable=too-many-arguments
@@ -109,6 +113,7 @@ class ChainGuard:
         hop_clip: float,
         keys: tuple[str, str],
         check_parts: bool = True,
+        share_floor: bool = False,
     ) -> None:
         if hop_step not in (AUTO, MEAN, EVEN) and not 0.0 < float(hop_step) <= 1.0:
             raise ValueError(
@@ -134,7 +139,7 @@ class ChainGuard:
         self._chance: float | None = None  # the level of the model the first chains started from
         self._start_checked = False
         self._warned = False
-        self._share_floor = False  # whether hops count at least their share of their chain (FedSeq)
+        self.share_floor = share_floor
 
     # pylint: disable=too-many-arguments
     def fold(
@@ -151,8 +156,8 @@ class ChainGuard:
         join the reference instead of being bounded by `hop_clip`). For the rules that weigh a
         hop by its examples: `held[i]`, the examples reply i's travelling model holds already
         (`hop_step='mean'`; 0 for a first hop), and `planned[i]`, the examples its chain folds in
-        all (`hop_step='even'`). `chain_hops[i]`: the hops of reply i's chain; given, a hop counts at
-        least its share of `planned[i]` and a chain of one hop is taken whole (`core.sequential.chain_step`)."""
+        all (`hop_step='even'`, and the share floor). `chain_hops[i]`: the hops of reply i's chain
+        (the share floor)."""
         self.budget.begin()
         step: float | Callable[[int, int], float] = self.step
         if self.hop_step == MEAN:
@@ -161,8 +166,7 @@ class ChainGuard:
         elif self.hop_step == EVEN:
             chain = list(planned)
             step = lambda index, examples: even_share(examples, chain[index])  # noqa: E731
-        if chain_hops:
-            self._share_floor = True
+        if self.share_floor:
             rule, lengths, totals = step, list(chain_hops), list(planned)
             step = lambda index, examples: chain_step(  # noqa: E731
                 rule(index, examples) if callable(rule) else rule, lengths[index], examples, totals[index]
@@ -295,7 +299,7 @@ class ChainGuard:
             reason,
             self.keys[0],
             self.hop_step,
-            "; a hop still counts at least its client's share of its chain" if self._share_floor else "",
+            "; a hop still counts at least its client's share of its chain" if self.share_floor else "",
             self.keys[1],
             self.hop_clip,
         )
