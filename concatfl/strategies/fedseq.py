@@ -45,9 +45,9 @@ APPROXIMATORS = ("conf", "clf")
 # The witness cannot tell damping from divergence: it names both ways of the hop step.
 ADVICE = (
     "FedAvg with every node may do better; so may superclients of other sizes (min_samples) or another hop step: "
-    "a larger one where clients hold many classes (on 100 Fashion-MNIST clients of Dir(0.5), hop_step=1 led FedAvg "
-    "by 3 points where the default trailed it by 3), a smaller one where the chains diverge (the divergence warning "
-    "says so)."
+    "a larger one where the clients' local steps are small (on 100 Fashion-MNIST clients at lr 0.01, momentum 0.9, "
+    "one epoch, hop_step=1 led the default by 2 to 10 points in every skew, and FedAvg by 3 on Dir(0.5), where the "
+    "default trailed it by 3), a smaller one where the chains diverge (the divergence warning says so)."
 )
 
 
