@@ -228,6 +228,9 @@ class RunConfig:
         _at_least("fedcat-lambda", self.fedcat_lambda, 1)
         _open_interval("fedcat-epsilon", self.fedcat_epsilon, 0.0, 1.0, closed_low=True, closed_high=True)
         _hop_step("fedcat-hop-step", self.fedcat_hop_step)
+        if self.fedcat_hop_step == "sized":
+            raise ConfigError("run-config key 'fedcat-hop-step' is 'sized', FedSeq's rule, not measured for FedCat; "
+                              "use a number in (0, 1], 'even', 'mean' or 'auto'")
         _at_least("fedcat-hop-clip", self.fedcat_hop_clip, 0.0)
 
     # ------------------------------------------------------------------ FedSeq and FedSeqInter
@@ -242,7 +245,7 @@ class RunConfig:
     fedseq_min_samples: int = 800
     fedseq_max_clients: int = 11
     fedseq_superclient_epochs: int = 1
-    fedseq_hop_step: str = "0.25"
+    fedseq_hop_step: str = "sized"
     fedseq_hop_clip: float = 1.5
     fedseq_witness: bool = True
     report_label_counts: bool = False
@@ -398,11 +401,11 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
     raise ConfigError(f"run-config key '{key}' must be a {kind}, got {value!r}")
 
 
-HOP_RULES = ("even", "mean", "auto")  # the hop steps given by name (concatfl.strategies.sequential)
+HOP_RULES = ("sized", "even", "mean", "auto")  # the hop steps given by name (concatfl.strategies.sequential)
 
 
 def parse_hop_step(value: str) -> float | str:
-    """A validated `…-hop-step` value as a strategy takes it: 'even', 'mean', 'auto' or a number."""
+    """A validated `…-hop-step` value as a strategy takes it: a rule's name or a number."""
     return value if value in HOP_RULES else float(value)
 
 
@@ -413,7 +416,7 @@ def _hop_step(key: str, value: str) -> None:
         number = float(value)
     except ValueError:
         raise ConfigError(
-            f"run-config key '{key}' must be 'even', 'mean', 'auto' or a number in (0, 1], got {value!r}"
+            f"run-config key '{key}' must be one of {', '.join(HOP_RULES)} or a number in (0, 1], got {value!r}"
         ) from None
     _open_interval(key, number, 0.0, 1.0, closed_high=True)
 

@@ -79,6 +79,8 @@ INVALID = [
     ({"fedcat-lambda": 0}, "fedcat-lambda"),
     ({"fedcat-epsilon": 1.5}, "fedcat-epsilon"),
     ({"fedcat-selection": "best"}, "fedcat-selection"),
+    ({"fedcat-hop-step": "sized"}, "fedcat-hop-step"),
+    ({"fedseq-hop-step": "size"}, "fedseq-hop-step"),
     ({"fedseq-approximator": "knn"}, "fedseq-approximator"),
     ({"fedseq-metric": "kl", "fedseq-approximator": "clf"}, "fedseq-metric"),
     ({"fedseq-metric": "gini", "fedseq-approximator": "clf"}, "fedseq-metric"),

@@ -427,7 +427,8 @@ def test_fedcat_takes_the_papers_ten_percent_unless_k_or_a_fraction_is_given():
 
 
 def test_invalid_parameters_fail_clearly():
-    for kwargs in ({"k": 1}, {"group_cycles": 0}, {"epsilon": 1.5}, {"selection": "best"}, {"fraction_train": 0}):
+    for kwargs in ({"k": 1}, {"group_cycles": 0}, {"epsilon": 1.5}, {"selection": "best"}, {"fraction_train": 0},
+                   {"hop_step": "sized"}):
         with pytest.raises(ValueError):
             FedCat(**kwargs)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -659,6 +660,22 @@ def test_a_hop_of_a_short_chain_counts_at_least_its_clients_share_of_the_supercl
     start = as_state(initial_arrays())
     # Node 1 (10 of 40) moves the chain by η = 0.25 of its +1, node 2 (30 of 40) by 0.75 of its +2.
     assert close(models[1], {key: start[key] + 0.25 * 1 + 0.75 * 2 for key in start})
+
+
+def test_fedseqs_default_step_is_sized_at_the_first_aggregation_from_its_hops():
+    clients = clients_for(2, [10, 30])
+    default = inspect.signature(FedSeq).parameters["hop_step"].default
+    assert default == "sized"
+    fedseq = strategy(min_samples=40, hop_step=default)
+    _, models, _ = run(fedseq, clients, 2)
+    start = as_state(initial_arrays())
+    size = sum(value.size for value in start.values())
+    norm = float(np.sqrt(sum(np.sum(value.astype(np.float64) ** 2) for value in start.values())))
+    # Hops of length 1·√size and 2·√size (every weight + node): far longer than 0.15 of the model.
+    rule = fedseq.history[0]["divergence"]["hop_rule"]
+    assert rule == {"step": 0.25, "next_step": 0.25, "relative_hop": round(1.5 * np.sqrt(size) / norm, 4)}
+    assert close(models[2], {key: models[1][key] + 0.25 * 1 + 0.75 * 2 for key in start})  # still damped
+    assert "hop_rule" not in fedseq.history[1]["divergence"]
 
 
 def witness_run(caplog, rounds: int, scores: list[float]):

@@ -24,6 +24,7 @@ from concatfl.core.sequential import (
     parts_due,
     running_mean_share,
     scored_parts,
+    sized_step,
     witness_due,
     witness_lost,
     witness_warns,
@@ -305,6 +306,36 @@ def test_the_auto_step_is_the_share_hops_are_given_and_survives_a_restart():
     restored = ChainGuard("FedSeq", ReplyGuard("FedSeq", 0.0, 0.0), "auto", 0.0, ("a", "b"))
     restored.load_state_dict(guard.state_dict())
     np.testing.assert_allclose(to_numpy(fold(restored, start, record([1.0]), True))["w"], [0.3])
+
+
+# ------------------------------------------------------------------ the sized step
+
+
+def test_the_sized_step_takes_hops_whole_when_their_median_is_short_against_the_model():
+    assert sized_step([0.5, 1.0, 9.0], 10.0, 0.25) == 1.0  # median 1: a tenth of the norm
+    assert sized_step([1.5], 10.0, 0.25) == 1.0  # 0.15 of it: still short
+    assert sized_step([0.1, 2.0, 3.0], 10.0, 0.25) == 0.25  # median 2: long, whatever the shortest
+    assert sized_step([2.0], 10.0, 0.4) == 0.4
+    assert sized_step([], 10.0, 0.25) == 0.25 and sized_step([0.1], 0.0, 0.25) == 0.25  # nothing to measure
+
+
+@pytest.mark.parametrize(("later", "next_step"), [(0.2, 1.0), (3.0, 0.25)])
+def test_fedseqs_sized_step_is_damped_until_the_first_aggregation_then_sized_by_its_hops(caplog, later, next_step):
+    guard = chain_guard("sized", 0.0, name="FedSeq")
+    start = record([10.0, 0.0])  # norm 10
+    caplog.set_level(logging.INFO)
+    first = fold(guard, start, record([11.0, 0.0]), True)  # length 1, taken at the damped 0.25
+    np.testing.assert_allclose(to_numpy(first)["w"], [10.25, 0.0])
+    last = fold(guard, first, record([10.25, later]), False)
+    rule = guard.check(start, [to_numpy(last)], [1.0], last, None)["hop_rule"]
+    median = (1.0 + later) / 2
+    assert rule == {"step": 0.25, "next_step": next_step, "relative_hop": round(median / 10.0, 4)}
+    assert f"moved the model by {median / 10:.3f} of its norm" in caplog.text
+    restored = chain_guard("sized", 0.0, name="FedSeq")
+    restored.load_state_dict(guard.state_dict())
+    for each in (guard, restored):  # sized once: later aggregations keep the step
+        np.testing.assert_allclose(to_numpy(fold(each, start, record([12.0, 0.0]), True))["w"], [10.0 + 2 * next_step, 0.0])
+        assert "relative_hop" not in each.check(start, [to_numpy(start)], [1.0], start, None).get("hop_rule", {})
 
 
 def test_the_running_mean_and_even_shares():

@@ -110,11 +110,13 @@ QUICKSTART_OPTIMIZERS = (
 QUICKSTART_K = 2  # FedCat's default on 10 nodes: 10 % of them, at least 2
 
 BOUNDED = {"fedcat-hop-clip": 1.5, "fedseq-hop-clip": 1.5}
-# The hop rules the map compares (concatfl.strategies.sequential): the fixed damped step, the
-# even share (each hop weighs what its client's data weighs in the chain) and the running mean.
+# The hop rules the map compares (concatfl.strategies.sequential): fixed steps, FedSeq's sized
+# step, the even share (each hop weighs what its client's data weighs in the chain) and the running mean.
 RULES = {
     "fixed": ("hop-step 0.5", "0.5"),
     "fixed 0.25": ("hop-step 0.25", "0.25"),
+    "fixed 1": ("hop-step 1", "1"),
+    "sized": ("hop-step sized", "sized"),
     "even": ("hop-step even", "even"),
     "mean": ("hop-step mean", "mean"),
 }
@@ -215,7 +217,8 @@ def suite() -> Suite:
         "paper-exact = hop-step 1, hop-clip 0, update-clip 0 (every reply taken as it is); the other rows "
         "bound later hops at 1.5 first hops and every reply at update-clip 4; fixed = the damped step 0.5, "
         "even = each hop's share is its client's share of the chain's data, mean = the running mean of the "
-        "chain's models (concatfl.strategies.sequential); the rules read no server data, so their rows are "
+        "chain's models, sized = FedSeq's default (0.25, then 1 where the hops before the first aggregation "
+        "moved the model by at most 0.15 of its norm; concatfl.strategies.sequential); the rules read no server data, so their rows are "
         "the same with or without a server evaluation",
         IN_PROCESS_NOTE,
     )

@@ -44,7 +44,7 @@ from .common import (
 from .feddyn import FedDynServer, from_config as feddyn_from_config
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
 from .membership import RETURNED
-from .sequential import DEFAULT_HOP_CLIP, FEDCAT_HOP_STEP, ChainGuard, FirstHopWitness
+from .sequential import DEFAULT_HOP_CLIP, FEDCAT_HOP_STEP, SIZED, ChainGuard, FirstHopWitness
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -172,6 +172,10 @@ class FedCat(RelayStrategy):
         self.concat = concat
         self.feddyn = feddyn
         keys = ("fedcat-hop-step", "fedcat-hop-clip")
+        if hop_step == SIZED:
+            raise ValueError(
+                "hop_step 'sized' is FedSeq's rule, not measured for FedCat: use a number, 'even', 'mean' or 'auto'"
+            )
         self.chain = ChainGuard("FedCat", self.guard, hop_step, hop_clip, keys, check_parts)
         self._witness = FirstHopWitness("FedCat", update_clip, "Its copies are averaged once per cycle of K rounds, where "
                                         "FedAvg(fraction_train=K/N) averages every round: that, or FedSeq, should do better.",

@@ -35,7 +35,7 @@ from .fedavg import sample_count
 from .feddyn import FedDynServer, from_config as feddyn_from_config
 from .fedseq_stage1 import SuperclientStage
 from .guard import DEFAULT_UPDATE_CLIP, DEFAULT_WEIGHT_CLIP
-from .sequential import DEFAULT_HOP_CLIP, FEDSEQ_HOP_STEP, ChainGuard, FirstHopWitness
+from .sequential import DEFAULT_HOP_CLIP, SIZED, ChainGuard, FirstHopWitness
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -45,9 +45,9 @@ APPROXIMATORS = ("conf", "clf")
 # The witness cannot tell damping from divergence: it names both ways of the hop step.
 ADVICE = (
     "FedAvg with every node may do better; so may superclients of other sizes (min_samples) or another hop step: "
-    "a larger one where the clients' local steps are small (on 100 Fashion-MNIST clients at lr 0.01, momentum 0.9, "
-    "one epoch, hop_step=1 led the default by 2 to 10 points in every skew, and FedAvg by 3 on Dir(0.5), where the "
-    "default trailed it by 3), a smaller one where the chains diverge (the divergence warning says so)."
+    "a larger one where the clients' local steps are small (the default takes hops whole only where the first "
+    "round's were short against the model: hop_step=1 forces it), a smaller one where the chains diverge (the "
+    "divergence warning says so)."
 )
 
 
@@ -168,11 +168,13 @@ class FedSeq(SuperclientStage):
         Diagnostic for simulations: ask every client for its true label counts (a "query"
         message answered with ``metrics["label-counts"]``) and report the superclients'
         balance from them too.
-    hop_step, hop_clip, check_parts (default: 0.25, 1.5, True)
-        The server's damped (η; "auto": adapted from the hops' lengths) and bounded (c) hops
-        and its divergence check: see `ChainGuard` and docs/strategies.md. A hop counts at least
-        its client's share of the superclient's data, so a chain of one client is a FedAvg
-        client: its hop is taken whole. `hop_step=1, hop_clip=0` (with `update_clip=0`) is the
+    hop_step, hop_clip, check_parts (default: 'sized', 1.5, True)
+        The server's damped (η) and bounded (c) hops and its divergence check: see `ChainGuard`
+        and docs/strategies.md. 'sized': 0.25 until the first aggregation, then 1 (the paper's)
+        where the hops before it moved the model by at most 0.15 of its norm (small local steps;
+        `core.sequential.sized_step`), else 0.25. A hop counts at least its client's share of
+        the superclient's data, so a chain of one client is a FedAvg client: its hop is taken
+        whole. `hop_step=1, hop_clip=0` (with `update_clip=0`) is the
         paper's algorithm exactly.
     witness : bool (default: True)
         With the run's `evaluate_fn`, compare the chains' average with the FedAvg round their
@@ -209,7 +211,7 @@ class FedSeq(SuperclientStage):
         proximal_mu: float = 0.0,
         feddyn: FedDynServer | None = None,
         report_label_counts: bool = False,
-        hop_step: float | str = FEDSEQ_HOP_STEP,
+        hop_step: float | str = SIZED,
         hop_clip: float = DEFAULT_HOP_CLIP,
         check_parts: bool = True,
         witness: bool = True,

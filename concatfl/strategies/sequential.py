@@ -24,10 +24,11 @@ import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.supercore import log
 
-from ..core.bounds import bound_share, move
+from ..core.bounds import bound_share, flatten, move
 from ..core.sequential import (
     ADAPT_WINDOW,
     LOSSES_TO_WARN,
+    SMALL_HOP,
     STEP_START,
     WITNESS_FIRST,
     adapt_step,
@@ -40,6 +41,7 @@ from ..core.sequential import (
     parts_due,
     scored_parts,
     running_mean_share,
+    sized_step,
     stalled,
     even_share,
     witness_due,
@@ -52,18 +54,20 @@ from .guard import ReplyGuard
 Evaluate = Callable[[ArrayRecord], MetricRecord | None]
 # The steps and bound FedCat and FedSeq use unless told otherwise (docs/results.md, the
 # sequential-stability map over 18 settings of step size, epochs and optimizer, gives the
-# evidence; docs/strategies.md the reasoning). No rule met every target there. FedSeq takes the
-# fixed 0.25, a hop never below its share of its chain's data (`chain_step`; the swap map's short
-# chains): within 2 points of FedAvg with every node in 14 of 18 cells and never at chance
-# (0.5 collapsed to chance in two cells with large steps; "even" fell 16 points short where
-# steps are small). FedCat keeps the fixed 0.5: its gap to FedAvg at equal participation is
-# structural (one average per K rounds), and 0.5 is its best rule in most cells. "even",
-# "mean" and "auto" are options.
+# evidence; docs/strategies.md the reasoning). No fixed step met every target there. FedSeq's
+# damped step is 0.25, a hop never below its share of its chain's data (`chain_step`; the swap
+# map's short chains): within 2 points of FedAvg with every node in 14 of 18 cells and never at
+# chance (0.5 collapsed to chance in two cells with large steps; "even" fell 16 points short where
+# steps are small). Its default rule, "sized", keeps 0.25 where the first round's hops are long
+# and takes them whole where they are short (`core.sequential.sized_step`). FedCat keeps the
+# fixed 0.5: its gap to FedAvg at equal participation is structural (one average per K rounds),
+# and 0.5 is its best rule in most cells. "even", "mean" and "auto" are options.
 AUTO = "auto"
 MEAN = "mean"
 EVEN = "even"
+SIZED = "sized"
 FEDCAT_HOP_STEP = 0.5
-FEDSEQ_HOP_STEP = 0.25
+FEDSEQ_HOP_STEP = 0.25  # FedSeq's damped step: the "sized" rule's until it has measured the hops
 DEFAULT_HOP_CLIP = 1.5
 
 
@@ -81,7 +85,9 @@ class ChainGuard:
         η in (0, 1]: the share of each hop's update the server takes (1: all of it); the
         travelling model moves by s·(returned − sent), s ≤ η. "even": each hop's share is its
         examples over the chain's (`core.sequential.even_share`). "mean": the running mean of
-        the chain's models (`core.sequential.running_mean_share`). "auto": η starts at 0.5 and is
+        the chain's models (`core.sequential.running_mean_share`). "sized": FedSeq's default,
+        `damped_step` until the first aggregation, then 1 if the hops before it were short against
+        the model (`core.sequential.sized_step`; recorded as ``hop_rule``). "auto": η starts at 0.5 and is
         adapted after every aggregation by `concatfl.core.sequential.adapt_step` from the
         later hops' length relative to first hops (recorded as ``hop_rule`` in the divergence
         record); it needs no server data and nothing from the client.
@@ -114,17 +120,21 @@ class ChainGuard:
         keys: tuple[str, str],
         check_parts: bool = True,
         share_floor: bool = False,
+        damped_step: float = FEDSEQ_HOP_STEP,
     ) -> None:
-        if hop_step not in (AUTO, MEAN, EVEN) and not 0.0 < float(hop_step) <= 1.0:
+        if hop_step not in (AUTO, MEAN, EVEN, SIZED) and not 0.0 < float(hop_step) <= 1.0:
             raise ValueError(
-                f"hop_step must be in (0, 1] (1 = take each reply as it is), 'mean' or 'auto', got {hop_step}"
+                f"hop_step must be in (0, 1] (1 = take each reply as it is), 'sized', 'even', 'mean' or 'auto', "
+                f"got {hop_step}"
             )
         if hop_clip < 0:
             raise ValueError(f"hop_clip must be >= 0 (0 = no bound), got {hop_clip}")
         self.strategy = strategy
         self.replies = replies
         self.hop_step = hop_step
-        self.step = STEP_START if hop_step in (AUTO, MEAN, EVEN) else float(hop_step)  # η of the hops to come
+        named = {SIZED: damped_step, AUTO: STEP_START, MEAN: STEP_START, EVEN: STEP_START}
+        self.step = named[hop_step] if hop_step in named else float(hop_step)  # η of the hops to come
+        self._sizing: list[float] | None = [] if hop_step == SIZED else None  # hop lengths until the step is sized
         self.hop_clip = hop_clip
         self.keys = keys
         self.check_parts = check_parts
@@ -177,6 +187,8 @@ class ChainGuard:
         for reply in folded:
             if reply.length is None:
                 continue
+            if self._sizing is not None:
+                self._sizing.append(reply.length)
             if first_hop:
                 self._own_first[reply.node_id] = reply.length
                 continue
@@ -241,11 +253,33 @@ class ChainGuard:
             if ratio is not None:
                 self.step = adapt_step(self.step, ratio)
             record["hop_rule"] = {"step": round(used, 4), "next_step": round(self.step, 4)}
+        if self._sizing is not None:
+            record["hop_rule"] = self._size_step(start)
         reason = diverged(self._aggregations, self._chance, average_accuracy, part_accuracies, last) if chained else None
         record["diverged"] = reason is not None
         stall = average_accuracy is not None and stalled(self._aggregations, self._chance, average_accuracy, last)
         self._warn(reason, bool(stall) and fedavg_as_low(self._chance, first_hops_accuracy))
         return record
+
+    def _size_step(self, start: ArrayRecord) -> dict[str, Any]:
+        """The sized step, once, from the hops before the first aggregation; said in the log."""
+        assert self._sizing is not None
+        norm = float(np.linalg.norm(flatten(to_numpy(start))))  # the unit of the hops' lengths (`update_vector`)
+        used, self.step = self.step, sized_step(self._sizing, norm, self.step)
+        relative = float(np.median(self._sizing)) / norm if self._sizing and norm > 0 else None
+        self._sizing = None
+        log(
+            INFO,
+            "%s: the hops before the first aggregation moved the model by %s of its norm (median; %s or less: "
+            "small local steps); hops are taken %s from now on (%s=sized)",
+            self.strategy,
+            "nothing" if relative is None else f"{relative:.3f}",
+            SMALL_HOP,
+            "whole (the papers' step)" if self.step == 1.0 else f"at the damped step {self.step:g}",
+            self.keys[0],
+        )
+        return {"step": round(used, 4), "next_step": round(self.step, 4),
+                "relative_hop": None if relative is None else round(relative, 4)}
 
     def check_last(self, start: ArrayRecord, average: ArrayRecord, evaluate: Evaluate | None) -> None:
         """The run ends on an average no aggregation checked (FedCat's last round inside a cycle):
@@ -298,7 +332,7 @@ class ChainGuard:
             self.strategy,
             reason,
             self.keys[0],
-            self.hop_step,
+            f"{SIZED}: {self.step:g}" if self.hop_step == SIZED else self.hop_step,
             "; a hop still counts at least its client's share of its chain" if self.share_floor else "",
             self.keys[1],
             self.hop_clip,
@@ -308,6 +342,7 @@ class ChainGuard:
         """What a resumed run needs to bound its hops exactly as this one would."""
         return {
             "step": self.step,
+            "sizing": self._sizing,
             "later_ratios": list(self._later_ratios),
             "own_first": {str(node): length for node, length in self._own_first.items()},
             "own_ratios": list(self._own_ratios),
@@ -321,6 +356,8 @@ class ChainGuard:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s output."""
         self.step = float(state["step"])
+        sizing = state.get("sizing")
+        self._sizing = None if sizing is None else [float(x) for x in sizing]
         self._later_ratios = [float(x) for x in state["later_ratios"]]
         self._own_first = {int(node): float(length) for node, length in state["own_first"].items()}
         self._own_ratios = deque((float(x) for x in state["own_ratios"]), maxlen=ADAPT_WINDOW)
