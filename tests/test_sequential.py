@@ -24,6 +24,7 @@ from concatfl.core.sequential import (
     parts_due,
     running_mean_share,
     scored_parts,
+    relative_hop,
     sized_step,
     witness_due,
     witness_lost,
@@ -312,11 +313,15 @@ def test_the_auto_step_is_the_share_hops_are_given_and_survives_a_restart():
 
 
 def test_the_sized_step_takes_hops_whole_when_their_median_is_short_against_the_model():
-    assert sized_step([0.5, 1.0, 9.0], 10.0, 0.25) == 1.0  # median 1: a tenth of the norm
-    assert sized_step([1.5], 10.0, 0.25) == 1.0  # 0.15 of it: still short
-    assert sized_step([0.1, 2.0, 3.0], 10.0, 0.25) == 0.25  # median 2: long, whatever the shortest
-    assert sized_step([2.0], 10.0, 0.4) == 0.4
-    assert sized_step([], 10.0, 0.25) == 0.25 and sized_step([0.1], 0.0, 0.25) == 0.25  # nothing to measure
+    def step(lengths: list[float], norm: float, damped: float) -> float:
+        return sized_step(relative_hop(lengths, norm), damped)
+
+    assert relative_hop([0.5, 1.0, 9.0], 10.0) == 0.1
+    assert step([0.5, 1.0, 9.0], 10.0, 0.25) == 1.0  # median 1: a tenth of the norm
+    assert step([1.5], 10.0, 0.25) == 1.0  # 0.15 of it: still short
+    assert step([0.1, 2.0, 3.0], 10.0, 0.25) == 0.25  # median 2: long, whatever the shortest
+    assert step([2.0], 10.0, 0.4) == 0.4
+    assert step([], 10.0, 0.25) == 0.25 and step([0.1], 0.0, 0.25) == 0.25  # nothing to measure
 
 
 @pytest.mark.parametrize(("later", "next_step"), [(0.2, 1.0), (3.0, 0.25)])

@@ -217,9 +217,9 @@ def suite() -> Suite:
         "paper-exact = hop-step 1, hop-clip 0, update-clip 0 (every reply taken as it is); the other rows "
         "bound later hops at 1.5 first hops and every reply at update-clip 4; fixed = the damped step 0.5, "
         "even = each hop's share is its client's share of the chain's data, mean = the running mean of the "
-        "chain's models, sized = FedSeq's default (0.25, then 1 where the hops before the first aggregation "
-        "moved the model by at most 0.15 of its norm; concatfl.strategies.sequential); the rules read no server data, so their rows are "
-        "the same with or without a server evaluation",
+        "chain's models, sized = FedSeq's default (0.25, then 1 where the hops before the first "
+        "aggregation moved the model by at most 0.15 of its norm; concatfl.strategies.sequential); the "
+        "rules read no server data, so their rows are the same with or without a server evaluation",
         IN_PROCESS_NOTE,
     )
     return Suite(

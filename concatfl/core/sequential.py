@@ -22,7 +22,7 @@ algorithm exactly. What is here:
   `fedavg_as_low`: whether the FedAvg round their first hops form is no better off.
 * `chain_step`: a hop counts at least its client's share of the chain's data; a chain of one
   hop is a FedAvg client, taken whole.
-* `sized_step`: FedSeq's default η (`hop_step='sized'`): the papers' 1 where the first round's
+* `relative_hop`, `sized_step`: FedSeq's default η (`hop_step='sized'`): the papers' 1 where the first round's
   hops are short against the model (small local steps), the damped step where they are not.
 * `witness_due`, `witness_lost`, `witness_warns`, `parts_due`: what the server learns at little
   cost: the first hops of the chains start from the model the chains started from, as FedAvg's
@@ -161,20 +161,26 @@ def chain_step(step: float, chain_hops: int, examples: float, planned: float) ->
     return max(step, even_share(examples, planned))
 
 
-def sized_step(hop_lengths: Sequence[float], start_norm: float, damped: float) -> float:
-    """η from the run's first aggregation on: 1 when the median of `hop_lengths` (the hops before
-    it, each the norm of the update its client returned) is at most SMALL_HOP × `start_norm`
-    (the norm of the model the chains started from), else `damped`; `damped` where there is
-    nothing to measure.
+def relative_hop(hop_lengths: Sequence[float], start_norm: float) -> float | None:
+    """The median of `hop_lengths` (each the norm of the update its client returned) over
+    `start_norm` (the norm of the model the chains started from); None where there is nothing
+    to measure."""
+    if not hop_lengths or not start_norm > 0:
+        return None
+    return float(np.median(hop_lengths)) / start_norm
+
+
+def sized_step(relative: float | None, damped: float) -> float:
+    """η from the run's first aggregation on: 1 when the hops before it moved the model by at most
+    SMALL_HOP of its norm (`relative`, from `relative_hop`), else `damped`; `damped` where there
+    was nothing to measure.
 
     A hop's length against the model it trains is the clients' local work (learning rate ×
     steps × gradient) in the one unit every federation shares. Short hops leave a chain's
     model near what the clients before fitted, so taking them whole keeps what the chain
     learned and moves it as far as the papers' algorithm does; long hops overwrite it, and only
     a damped step keeps the chains' models near enough to average."""
-    if not hop_lengths or not start_norm > 0:
-        return damped
-    return 1.0 if float(np.median(hop_lengths)) <= SMALL_HOP * start_norm else damped
+    return 1.0 if relative is not None and relative <= SMALL_HOP else damped
 
 
 def witness_due(aggregation: int, last: bool = False) -> bool:

@@ -174,8 +174,7 @@ class FedSeq(SuperclientStage):
         where the hops before it moved the model by at most 0.15 of its norm (small local steps;
         `core.sequential.sized_step`), else 0.25. A hop counts at least its client's share of
         the superclient's data, so a chain of one client is a FedAvg client: its hop is taken
-        whole. `hop_step=1, hop_clip=0` (with `update_clip=0`) is the
-        paper's algorithm exactly.
+        whole. `hop_step=1, hop_clip=0` (with `update_clip=0`) is the paper's algorithm exactly.
     witness : bool (default: True)
         With the run's `evaluate_fn`, compare the chains' average with the FedAvg round their
         first hops form now and then, and warn when the chains keep losing or end behind

@@ -40,6 +40,7 @@ from ..core.sequential import (
     fedavg_as_low,
     parts_due,
     scored_parts,
+    relative_hop,
     running_mean_share,
     sized_step,
     stalled,
@@ -265,8 +266,8 @@ class ChainGuard:
         """The sized step, once, from the hops before the first aggregation; said in the log."""
         assert self._sizing is not None
         norm = float(np.linalg.norm(flatten(to_numpy(start))))  # the unit of the hops' lengths (`update_vector`)
-        used, self.step = self.step, sized_step(self._sizing, norm, self.step)
-        relative = float(np.median(self._sizing)) / norm if self._sizing and norm > 0 else None
+        relative = relative_hop(self._sizing, norm)
+        used, self.step = self.step, sized_step(relative, self.step)
         self._sizing = None
         log(
             INFO,
