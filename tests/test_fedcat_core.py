@@ -11,7 +11,9 @@ from concatfl.core.fedcat import (
     devices_per_round,
     dispatch,
     is_grouping_round,
+    LEVEL_K,
     judged_late,
+    long_cycle,
     make_groups,
     mbie_weights,
     pick_in_group,
@@ -141,6 +143,15 @@ def test_random_selection_draws_k_distinct_nodes_uniformly():
     assert all(len(set(d)) == 2 and set(d) <= set(nodes) for d in draws)
     frequencies = np.array([sum(node in d for d in draws) for node in nodes]) / len(draws)
     np.testing.assert_allclose(frequencies, [2 / 5] * 5, atol=0.03)
+
+
+def test_a_cycle_longer_than_the_longest_measured_level_with_fedavg_is_told_whatever_the_rounds():
+    assert LEVEL_K == 4
+    assert [k for k in range(2, 12) if long_cycle(k) is None] == [2, 3, 4]
+    reason = long_cycle(10)
+    assert reason.startswith("K = 10: each copy takes 10 hops between averages, where FedAvg(fraction_train=K/N)")
+    assert reason.endswith("Use k <= 4 (k=, fraction_train=), FedAvg(fraction_train=K/N), or FedSeq")
+    assert long_cycle(5).startswith("K = 5: each copy takes 5 hops between averages")
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from concatfl.core.fedcat import judged_late
+from concatfl.core.fedcat import judged_late, long_cycle
 from concatfl.config import RunConfig
 from concatfl.strategies import FedCat as DefaultFedCat, build_strategy
 from tests.fakes import FakeGrid, reply_with
@@ -476,10 +476,11 @@ def test_copies_that_score_below_one_fedavg_round_of_their_first_hops_twice_are_
     assert result.evaluate_metrics_serverapp[6]["accuracy"] == 0.3  # FedCat keeps its own average
 
 
-@pytest.mark.parametrize("rounds, warned", [(3, True), (8, False)])
-def test_a_run_too_short_for_its_checks_to_speak_early_is_told_at_its_first_round(caplog, rounds, warned):
-    strategy = FedCat(k=2, seed=0)
+@pytest.mark.parametrize("k, rounds, reasons", [(2, 3, ["late"]), (2, 8, []), (6, 24, ["long"]), (6, 12, ["long", "late"])])
+def test_a_cycle_too_long_or_a_run_too_short_for_its_checks_is_told_at_the_first_round(caplog, k, rounds, reasons):
+    strategy = FedCat(k=k, seed=0)
+    expected = {"long": long_cycle(k), "late": judged_late(k, rounds)}
     with caplog.at_level("WARNING"):
-        _run(strategy, _grid([1, 2, 3, 4]), rounds=rounds)
-    told = [r.getMessage() for r in caplog.records if "so no check can compare this run" in r.getMessage()]
-    assert told == (["FedCat: " + judged_late(2, rounds)] if warned else [])
+        _run(strategy, _grid(list(range(1, 7))), rounds=rounds)
+    told = [r.getMessage() for r in caplog.records if r.getMessage() in {f"FedCat: {m}" for m in expected.values() if m}]
+    assert told == [f"FedCat: {expected[reason]}" for reason in reasons]

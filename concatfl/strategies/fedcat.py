@@ -24,6 +24,7 @@ from ..core.fedcat import (
     dispatch,
     is_grouping_round,
     judged_late,
+    long_cycle,
     make_groups,
     select_grouped,
     select_random,
@@ -374,8 +375,9 @@ class FedCat(RelayStrategy):
             log(INFO, "FedCat: K = %s of %s nodes train per round (%.0f %%): compare it with FedAvg(fraction_train=%.2g), "
                 "not FedAvg(), which trains all %s (k= or fraction_train= sets K)", self._k, len(nodes), 100 * share,
                 share, len(nodes))
-            if self.last_round and (reason := judged_late(self._k, self.last_round)):
-                log(WARNING, "FedCat: %s", reason)
+            for reason in (long_cycle(self._k), judged_late(self._k, self.last_round) if self.last_round else None):
+                if reason:
+                    log(WARNING, "FedCat: %s", reason)
             self._counts = CountTable(self._k)
             return arrays
         alive = set(nodes)
