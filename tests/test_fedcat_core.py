@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from concatfl.core.fedcat import (
+    LEVEL_K,
     CountTable,
     cycle_offset,
     devices_per_round,
     dispatch,
     is_grouping_round,
-    LEVEL_K,
     judged_late,
     long_cycle,
     make_groups,

@@ -476,11 +476,14 @@ def test_copies_that_score_below_one_fedavg_round_of_their_first_hops_twice_are_
     assert result.evaluate_metrics_serverapp[6]["accuracy"] == 0.3  # FedCat keeps its own average
 
 
-@pytest.mark.parametrize("k, rounds, reasons", [(2, 3, ["late"]), (2, 8, []), (6, 24, ["long"]), (6, 12, ["long", "late"])])
+@pytest.mark.parametrize(
+    "k, rounds, reasons", [(2, 3, ["late"]), (2, 8, []), (6, 24, ["long"]), (6, 12, ["long", "late"])]
+)
 def test_a_cycle_too_long_or_a_run_too_short_for_its_checks_is_told_at_the_first_round(caplog, k, rounds, reasons):
     strategy = FedCat(k=k, seed=0)
     expected = {"long": long_cycle(k), "late": judged_late(k, rounds)}
     with caplog.at_level("WARNING"):
         _run(strategy, _grid(list(range(1, 7))), rounds=rounds)
-    told = [r.getMessage() for r in caplog.records if r.getMessage() in {f"FedCat: {m}" for m in expected.values() if m}]
+    reasons_there = {f"FedCat: {message}" for message in expected.values() if message}
+    told = [r.getMessage() for r in caplog.records if r.getMessage() in reasons_there]
     assert told == [f"FedCat: {expected[reason]}" for reason in reasons]

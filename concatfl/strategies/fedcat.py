@@ -97,7 +97,8 @@ class FedCat(RelayStrategy):
     ----------
     k : int (default: 0)
         Devices per round K (= copies = rounds per cycle). 0 picks round(fraction_train · N),
-        at least 2, from the N nodes connected at the first round.
+        at least 2, from the N nodes connected at the first round. A K above
+        `core.fedcat.LEVEL_K` is warned about at the first round (`core.fedcat.long_cycle`).
     fraction_train : float (default: 0.1)
         Only used when `k` is 0. The paper selects 10 % of the devices per round; 1.0 would make
         K = N: groups of one device and a cycle as long as the number of nodes.
