@@ -555,6 +555,16 @@ def test_fedseq_inter_averages_the_slots_every_n_s_rounds(fraction):
 
 
 
+@pytest.mark.parametrize("rounds, warned", [(8, True), (16, False)])
+def test_fedseq_inter_warns_before_round_1_where_its_slots_are_averaged_too_rarely(caplog, rounds, warned):
+    fedseq = strategy(FedSeqInter, min_samples=20)  # 8 clients of 10 samples: 4 superclients
+    with caplog.at_level(logging.WARNING):
+        run(fedseq, clients_for(8), rounds)
+    told = [r.getMessage() for r in caplog.records if "the slots are averaged every" in r.getMessage()]
+    assert told == (["FedSeqInter: " + sc.slots_judged_late(4, rounds)] if warned else [])
+    assert len(fedseq.superclients) == 4
+
+
 @pytest.mark.parametrize("min_samples, warned", [(10, True), (100, False)])
 def test_fedseq_inter_warns_before_round_1_where_its_superclients_are_single_clients(caplog, min_samples, warned):
     fedseq = strategy(FedSeqInter, min_samples=min_samples)  # every client holds 10 samples

@@ -15,6 +15,7 @@ from concatfl.core.sequential import (
     STALL_AGGREGATIONS,
     adapt_step,
     chain_step,
+    judged_from,
     chance_level,
     check_affordable,
     diverged,
@@ -471,3 +472,9 @@ def test_the_witness_compares_at_the_runs_last_aggregation_whatever_the_budget()
 def test_at_most_the_three_heaviest_averaged_models_are_scored():
     assert scored_parts([5.0, 1.0, 9.0, 7.0, 2.0]) == [0, 2, 3]
     assert scored_parts([1.0, 1.0]) == [0, 1]
+
+
+def test_a_run_that_averages_rarely_is_judged_only_from_its_second_average_when_that_comes_late():
+    # period, rounds -> the round from which the checks can judge (None: by half the run)
+    cases = {(2, 20): None, (5, 20): None, (6, 20): 12, (10, 20): 20, (39, 20): 20, (10, 40): None, (1, 1): None}
+    assert {case: judged_from(*case) for case in cases} == cases

@@ -183,6 +183,17 @@ def sized_step(relative: float | None, damped: float) -> float:
     return 1.0 if relative is not None and relative <= SMALL_HOP else damped
 
 
+def judged_from(period: int, num_rounds: int) -> int | None:
+    """The round before which no check can judge a run that averages its models every `period`
+    rounds (FedCat's copies, FedSeqInter's slots), when that comes late: the checks judge averaged
+    models, two of them before they warn, so where the second average (round 2·period) comes after
+    half of `num_rounds` a run that trails FedAvg is told only near its end. None when it is early,
+    and for a run that averages every round (its checks judge every round, as FedSeq's do)."""
+    if period <= 1 or 4 * period <= num_rounds:
+        return None
+    return min(2 * period, num_rounds)
+
+
 def witness_due(aggregation: int, last: bool = False) -> bool:
     """Whether the `aggregation`-th aggregation (from 1; `last`: the run's last) compares the
     chains with their first hops."""

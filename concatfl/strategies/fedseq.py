@@ -479,8 +479,9 @@ class FedSeqInter(FedSeq):
     the current number of superclients) the slots are averaged, weighted by their counters,
     and all slots restart from that average with zeroed counters. Between aggregations the
     model the strategy returns (and that is evaluated) is the counter-weighted average of the
-    slots. Parameters are FedSeq's; where most superclients are single clients the run warns
-    before round 1 (`core.superclients.single_client_relay`).
+    slots. Parameters are FedSeq's; where most superclients are single clients, or the slots are
+    averaged too rarely for the checks to judge the run early, it warns before round 1
+    (`core.superclients.single_client_relay`, `core.superclients.slots_judged_late`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -495,6 +496,8 @@ class FedSeqInter(FedSeq):
         """FedSeq's stage 1, then every slot starts from the initial model."""
         super().setup(grid, initial_arrays, train_config)
         if reason := sc.single_client_relay(list(self.superclients.values()), self.setup_record["min_samples"]):
+            log(WARNING, "FedSeqInter: %s", reason)
+        if self.last_round and (reason := sc.slots_judged_late(len(self.superclients), self.last_round)):
             log(WARNING, "FedSeqInter: %s", reason)
         count = sample_count(self.fraction_train, len(self.superclients))
         self._slots = [to_numpy(initial_arrays)] * count
