@@ -560,7 +560,7 @@ def test_fedseq_inter_warns_before_round_1_where_its_slots_are_averaged_too_rare
     fedseq = strategy(FedSeqInter, min_samples=20)  # 8 clients of 10 samples: 4 superclients
     with caplog.at_level(logging.WARNING):
         run(fedseq, clients_for(8), rounds)
-    told = [r.getMessage() for r in caplog.records if "the slots are averaged every" in r.getMessage()]
+    told = [r.getMessage() for r in caplog.records if "the slots (one per superclient) are averaged" in r.getMessage()]
     assert told == (["FedSeqInter: " + sc.slots_judged_late(4, rounds)] if warned else [])
     assert len(fedseq.superclients) == 4
 

@@ -15,7 +15,7 @@ from concatfl.core.sequential import (
     STALL_AGGREGATIONS,
     adapt_step,
     chain_step,
-    judged_from,
+    averaged_too_rarely,
     chance_level,
     check_affordable,
     diverged,
@@ -475,6 +475,12 @@ def test_at_most_the_three_heaviest_averaged_models_are_scored():
 
 
 def test_a_run_that_averages_rarely_is_judged_only_from_its_second_average_when_that_comes_late():
-    # period, rounds -> the round from which the checks can judge (None: by half the run)
-    cases = {(2, 20): None, (5, 20): None, (6, 20): 12, (10, 20): 20, (39, 20): 20, (10, 40): None, (1, 1): None}
-    assert {case: judged_from(*case) for case in cases} == cases
+    told = "the models are averaged every {} rounds: {} rounds give {}, so no check can compare this run with FedAvg "
+    cases = {
+        (2, 20): None, (5, 20): None, (10, 40): None, (1, 1): None,  # the second average by half the run; every round
+        (6, 20): told.format(6, 20, "3 averages") + "before round 12",
+        (10, 20): told.format(10, 20, "2 averages") + "before round 20",
+        (20, 20): told.format(20, 20, "1 average") + "before round 20",
+        (39, 20): told.format(39, 20, "0 averages") + "before round 20",
+    }
+    assert {case: averaged_too_rarely("the models", *case) for case in cases} == cases

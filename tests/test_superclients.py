@@ -401,10 +401,8 @@ def test_fedseq_inter_is_told_off_where_at_least_half_the_superclients_are_singl
 @pytest.mark.parametrize(
     "superclients, rounds, told",
     [
-        (39, 20, "20 rounds give 0 averages before the last round, so no check can compare this run with FedAvg "
-                 "before round 20"),
-        (6, 20, "20 rounds give 3 averages before the last round, so no check can compare this run with FedAvg "
-                "before round 12"),
+        (39, 20, "20 rounds give 0 averages, so no check can compare this run with FedAvg before round 20"),
+        (6, 20, "20 rounds give 3 averages, so no check can compare this run with FedAvg before round 12"),
         (5, 20, None),  # the second average at round 10: half the run
         (5, 30, None),  # fedseq-digits: 5 superclients, 30 rounds
         (1, 1, None),  # one superclient: averaged every round, FedSeq
@@ -415,5 +413,5 @@ def test_fedseq_inter_is_told_where_its_slots_are_averaged_too_rarely_for_its_ch
     if told is None:
         assert reason is None
     else:
-        assert reason.startswith(f"the slots are averaged every {superclients} rounds (one per superclient): {told}; ")
+        assert reason.startswith(f"the slots (one per superclient) are averaged every {superclients} rounds: {told}; ")
         assert reason.endswith("Use FedSeq, more rounds, or a larger min_samples (fewer superclients)")

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .sequential import judged_from
+from .sequential import averaged_too_rarely
 
 
 def devices_per_round(requested: int, fraction: float, num_nodes: int) -> int:
@@ -53,17 +53,14 @@ def long_cycle(k: int) -> str | None:
 
 def judged_late(k: int, num_rounds: int) -> str | None:
     """Why no check can judge a FedCat run early, or None: its copies are averaged every K rounds
-    (`core.sequential.judged_from`). The reason quotes the swap map's runs whose checks spoke only
-    at their last round (docs/results.md)."""
-    if (judged := judged_from(k, num_rounds)) is None:
+    (`core.sequential.averaged_too_rarely`). The reason quotes the swap map's runs whose checks
+    spoke only at their last round (docs/results.md)."""
+    if (reason := averaged_too_rarely(f"K = {k} copies", k, num_rounds)) is None:
         return None
-    averages = num_rounds // k
     return (
-        f"K = {k} copies are averaged every {k} rounds: {num_rounds} rounds give {averages} "
-        f"average{'s' * (averages != 1)}, so no check can compare this run with FedAvg before round "
-        f"{judged}; over 20 rounds K = N on 10 CIFAR-10 clients ended 19 and 22 points behind "
-        "FedAvg with every node, K = 10 of 100 Fashion-MNIST clients 6-20 behind FedAvg at that participation "
-        "(docs/results.md). Use a smaller K (k=, fraction_train=), more rounds, or FedAvg"
+        f"{reason}; over 20 rounds K = N on 10 CIFAR-10 clients ended 19 and 22 points behind FedAvg with every "
+        "node, K = 10 of 100 Fashion-MNIST clients 6-20 behind FedAvg at that participation (docs/results.md). "
+        "Use a smaller K (k=, fraction_train=), more rounds, or FedAvg"
     )
 
 

@@ -183,15 +183,20 @@ def sized_step(relative: float | None, damped: float) -> float:
     return 1.0 if relative is not None and relative <= SMALL_HOP else damped
 
 
-def judged_from(period: int, num_rounds: int) -> int | None:
-    """The round before which no check can judge a run that averages its models every `period`
-    rounds (FedCat's copies, FedSeqInter's slots), when that comes late: the checks judge averaged
-    models, two of them before they warn, so where the second average (round 2·period) comes after
-    half of `num_rounds` a run that trails FedAvg is told only near its end. None when it is early,
-    and for a run that averages every round (its checks judge every round, as FedSeq's do)."""
+def averaged_too_rarely(models: str, period: int, num_rounds: int) -> str | None:
+    """Why no check can judge early a run that averages its `models` every `period` rounds
+    (FedCat's copies, FedSeqInter's slots), or None. The checks judge averaged models, two of them
+    before they warn, so where the second average (round 2·period) comes after half of
+    `num_rounds` a run that trails FedAvg is told only near its end. A run that averages every
+    round is judged every round, as FedSeq's is."""
     if period <= 1 or 4 * period <= num_rounds:
         return None
-    return min(2 * period, num_rounds)
+    averages = num_rounds // period
+    return (
+        f"{models} are averaged every {period} rounds: {num_rounds} rounds give {averages} "
+        f"average{'s' * (averages != 1)}, so no check can compare this run with FedAvg before round "
+        f"{min(2 * period, num_rounds)}"
+    )
 
 
 def witness_due(aggregation: int, last: bool = False) -> bool:

@@ -36,7 +36,7 @@ from sklearn.decomposition import PCA
 from sklearn.exceptions import ConvergenceWarning
 from torch import nn
 
-from .sequential import judged_from
+from .sequential import averaged_too_rarely
 
 Grouping = list[list[int]]
 Metric = Callable[[np.ndarray, np.ndarray], float]
@@ -539,16 +539,13 @@ def single_client_relay(groups: Grouping, min_samples: int) -> str | None:
 
 def slots_judged_late(num_superclients: int, num_rounds: int) -> str | None:
     """Why no check can judge a FedSeqInter run early, or None: its slots are averaged every N_S
-    rounds, N_S = `num_superclients` (`core.sequential.judged_from`)."""
-    if (judged := judged_from(num_superclients, num_rounds)) is None:
+    rounds, N_S = `num_superclients` (`core.sequential.averaged_too_rarely`)."""
+    if (reason := averaged_too_rarely("the slots (one per superclient)", num_superclients, num_rounds)) is None:
         return None
-    averages = num_rounds // num_superclients
     return (
-        f"the slots are averaged every {num_superclients} rounds (one per superclient): {num_rounds} rounds give "
-        f"{averages} average{'s' * (averages != 1)} before the last round, so no check can compare this run with "
-        f"FedAvg before round {judged}; with 39 superclients of 100 clients of 400 images, 20 rounds ended at 0.127 "
-        "on CIFAR-10 and 0.530 on Fashion-MNIST (#C=2, seed 0), where FedAvg with every node reached 0.169 and "
-        "0.607 (docs/results.md). Use FedSeq, more rounds, or a larger min_samples (fewer superclients)"
+        f"{reason}; with 39 superclients of 100 clients of 400 images, 20 rounds ended at 0.127 on CIFAR-10 and "
+        "0.530 on Fashion-MNIST (#C=2, seed 0), where FedAvg with every node reached 0.169 and 0.607 "
+        "(docs/results.md). Use FedSeq, more rounds, or a larger min_samples (fewer superclients)"
     )
 
 
