@@ -146,12 +146,12 @@ def test_random_selection_draws_k_distinct_nodes_uniformly():
 
 
 def test_a_cycle_longer_than_the_longest_measured_level_with_fedavg_is_told_whatever_the_rounds():
-    assert LEVEL_K == 2
-    assert [k for k in range(2, 12) if long_cycle(k) is None] == [2]
+    assert LEVEL_K == 3
+    assert [k for k in range(2, 12) if long_cycle(k) is None] == [2, 3]
     reason = long_cycle(10)
     assert reason.startswith("K = 10: each copy takes 10 hops between averages, where FedAvg(fraction_train=K/N)")
-    assert reason.endswith("Use k=2 (k=, fraction_train=), FedAvg(fraction_train=K/N), or FedSeq")
-    assert long_cycle(3).startswith("K = 3: each copy takes 3 hops between averages")
+    assert reason.endswith("Use k <= 3 (k=, fraction_train=), FedAvg(fraction_train=K/N), or FedSeq")
+    assert long_cycle(4).startswith("K = 4: each copy takes 4 hops between averages")
 
 
 @pytest.mark.parametrize(
