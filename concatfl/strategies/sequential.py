@@ -123,7 +123,8 @@ class ChainGuard:
         share_floor: bool = False,
         damped_step: float = FEDSEQ_HOP_STEP,
     ) -> None:
-        if hop_step not in (AUTO, MEAN, EVEN, SIZED) and not 0.0 < float(hop_step) <= 1.0:
+        named = {SIZED: damped_step, AUTO: STEP_START, MEAN: STEP_START, EVEN: STEP_START}  # η each rule starts at
+        if hop_step not in named and not 0.0 < float(hop_step) <= 1.0:
             raise ValueError(
                 f"hop_step must be in (0, 1] (1 = take each reply as it is), 'sized', 'even', 'mean' or 'auto', "
                 f"got {hop_step}"
@@ -133,7 +134,6 @@ class ChainGuard:
         self.strategy = strategy
         self.replies = replies
         self.hop_step = hop_step
-        named = {SIZED: damped_step, AUTO: STEP_START, MEAN: STEP_START, EVEN: STEP_START}
         self.step = named[hop_step] if hop_step in named else float(hop_step)  # η of the hops to come
         self._sizing: list[float] | None = [] if hop_step == SIZED else None  # hop lengths until the step is sized
         self.hop_clip = hop_clip
