@@ -349,6 +349,35 @@ def test_a_reversed_update_is_rejected_and_its_node_is_believed_again_from_its_n
     assert not ReplyGuard("FedSeq", update_clip=0.0).history_check  # the bounds off: every reply as it is
 
 
+
+def test_later_hops_are_clipped_against_their_own_recent_lengths():
+    guard = ReplyGuard("FedSeq", update_clip=4.0, weight_clip=0.0)
+    guard.begin_round(1)
+    sent = arrays(1.0, 1.0)
+    firsts = guard.bound([reply(node, sent, arrays(1.1, 1.0)) for node in (1, 2, 3)])  # updates (0.1, 0): r = 0.1
+    assert [b.share for b in firsts] == [1.0, 1.0, 1.0]
+    # Later hops 6-8 r long (they start from a model fitted to other classes) are not clipped:
+    # measured against their own lower median, 0.7 (bound 2.8). The hop clip still takes 1.5 r.
+    starts = [arrays(1.1, 1.0), arrays(1.2, 1.0), arrays(1.3, 1.0)]
+    laters = guard.bound(
+        [reply(n, start, arrays(x + d, 1.0)) for n, start, x, d in zip((1, 2, 3), starts, (1.1, 1.2, 1.3), (0.6, 0.7, 0.8))],
+        joins=False, hop_clip=1.5,
+    )
+    assert [b.reference for b in laters] == pytest.approx([0.1] * 3)  # what the hop clip and the record use
+    assert [b.share for b in laters] == pytest.approx([0.15 / 0.6, 0.15 / 0.7, 0.15 / 0.8])
+    assert "clipped" not in guard.round_record()
+    # One 5.7 times the later hops' lower median is clipped against it, in its own stream; the
+    # first hops' reference is still 0.1.
+    (long_,) = guard.bound([reply(4, starts[0], arrays(5.1, 1.0))], joins=False)
+    assert long_.share == pytest.approx(4 * 0.7 / 4.0) and long_.reference == pytest.approx(0.1)
+    assert guard.round_record()["clipped"] == [
+        {"node": 4, "tag": None, "stream": "model/later", "factor": pytest.approx(0.7), "length": pytest.approx(4.0),
+         "bound": pytest.approx(2.8)}
+    ]
+    (first,) = guard.bound([reply(5, sent, arrays(1.35, 1.0))])  # a first hop of 3.5 r: within the bound
+    assert first.share == 1.0
+
+
 @pytest.mark.parametrize("clip", [-1.0, 0.5])
 def test_a_clip_below_one_is_refused(clip):
     with pytest.raises(ValueError, match="0 \\(off\\) or >= 1"):

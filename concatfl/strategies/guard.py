@@ -9,7 +9,8 @@ reply wrecks the global model for good. `ReplyGuard.bound` applies the rule of
 
 * its update (returned − sent) moves the model at most `update_clip` times the reference length
   r of its *stream* (the lower median of the recent lengths of updates of the same kind: FedAvg's
-  client updates, FedCat's and FedSeq's first hops, SCAFFOLD's Δy, FedConcat's head updates…),
+  client updates, FedCat's and FedSeq's first hops, SCAFFOLD's Δy, FedConcat's head updates…;
+  a chain's later hops, which start from models fitted to other clients, are a kind of their own),
   or of every stream while its own has fewer than two lengths (`core.bounds.stream_reference`:
   a lone length would be the reply's own); an update longer than `core.bounds.REJECT_BEYOND`
   bounds is rejected instead (`on_reject`: the strategy moves it to its hop's misses), and so is
@@ -151,17 +152,19 @@ class ReplyGuard:
         one (`core.bounds.outsized`: handed to `on_reject`, their lengths and weights kept out
         of the references).
 
-        `stream` names the reference the replies are measured against; `joins`: their lengths
-        join it (updates from a common start: FedAvg's, a chain's first hops), else they are
-        only measured (a chain's later hops). `step` is the share the strategy takes of an
-        update within the bounds (a chain's damped η), or `step(i, n)` for the i-th reply whose
-        bounded num-examples are n (a chain's running mean); `hop_clip` a further bound (a chain's
-        later hops). `key` is the ArrayRecord bounded; `from_zero`: its arrays are updates
-        themselves (SCAFFOLD), else models to compare with what was sent. `weights`: bound
-        num-examples too. `peers`: streams whose updates are of the same kind (FedConcat's other
-        clusters); their lengths complete a reference that rests on fewer than two of the
-        stream's own. With `history_check`, an update reversed against its node's earlier updates
-        of the stream is rejected too. Each returned reply carries `length`, `reference` and `share`.
+        `stream` names the reference the replies are measured against; `joins`: their lengths join
+        it (updates from a common start: FedAvg's, a chain's first hops), else they are a chain's
+        later hops: measured against `stream` (the hop clip, the outsized test, the direction check)
+        and, for the update clip, against their own recent lengths (``stream/later``). `step` is the
+        share the strategy takes of an update within the bounds (a chain's damped η), or
+        `step(i, n)` for the i-th reply whose bounded num-examples are n (a chain's running mean);
+        `hop_clip` a further bound (a chain's later hops). `key` is the ArrayRecord bounded;
+        `from_zero`: its arrays are updates themselves (SCAFFOLD), else models to compare with what
+        was sent. `weights`: bound num-examples too. `peers`: streams whose updates are of the same
+        kind (FedConcat's other clusters); their lengths complete a reference that rests on fewer
+        than two of the stream's own. With `history_check`, an update reversed against its node's
+        earlier updates of the stream is rejected too. Each returned reply carries `length`,
+        `reference` and `share`.
         """
         replies = list(replies)  # `on_reject` may take a reply out of the list passed (a hop's replies)
         if not replies:
@@ -177,6 +180,12 @@ class ReplyGuard:
         window = self._lengths.setdefault(stream, deque(maxlen=REFERENCE_WINDOW))
         others = [length for name in peers if name != stream for length in self._lengths.get(name, ())]
         ref = stream_reference([*window, *(lengths if joins else [])], others)
+        # Later hops start from models fitted to other clients' classes: about twice a first hop's length on
+        # real images, they are clipped against their own recent lengths. The hop clip, the outsized test,
+        # the direction check and the record keep the stream's.
+        kind = stream if joins else f"{stream}/later"
+        later = None if joins else self._lengths.setdefault(kind, deque(maxlen=REFERENCE_WINDOW))
+        clip_ref = ref if later is None else stream_reference([*later, *lengths], [] if ref is None else [ref])
         # No length but each reply's own: the model it was sent gives the scale of the rejection.
         alone = not window and not others and (len(lengths) == 1 or not joins)
         weight_ref = reference([*self._weights, *(reply.num_examples for reply in replies)]) if weights else None
@@ -209,9 +218,12 @@ class ReplyGuard:
                     )
                     content = _with_num_examples(content, num_examples)
             wanted = step(index, num_examples) if callable(step) else float(step)
-            share = bound_share(length, ref, self.update_clip, wanted)
+            share = bound_share(length, clip_ref, self.update_clip, wanted)
             if share < wanted:
-                self._note(reply, "clipped", stream=stream, factor=share / wanted, length=length, bound=self.update_clip * ref)
+                assert clip_ref is not None
+                self._note(
+                    reply, "clipped", stream=kind, factor=share / wanted, length=length, bound=self.update_clip * clip_ref
+                )
             share = min(share, bound_share(length, ref, hop_clip, wanted))
             decoded = reply.decoded
             if share < 1.0:
@@ -224,9 +236,8 @@ class ReplyGuard:
                     decoded=decoded,
                 )
             )
-        self._measure(stream if joins else f"{stream}/later", ref, max(lengths), weight_ref, replies)
-        if joins:
-            window.extend(reply.length for reply in bounded)
+        self._measure(kind, ref, max(lengths), weight_ref, replies)
+        (window if later is None else later).extend(reply.length for reply in bounded)
         if weights:  # as taken: a report of 10¹² examples joins as its bound, not as a new reference
             self._weights.extend(reply.num_examples for reply in bounded)
         return bounded
