@@ -349,7 +349,6 @@ def test_a_reversed_update_is_rejected_and_its_node_is_believed_again_from_its_n
     assert not ReplyGuard("FedSeq", update_clip=0.0).history_check  # the bounds off: every reply as it is
 
 
-
 def test_later_hops_are_clipped_against_their_own_recent_lengths():
     guard = ReplyGuard("FedSeq", update_clip=4.0, weight_clip=0.0)
     guard.begin_round(1)

@@ -184,8 +184,8 @@ class ReplyGuard:
         # real images, they are clipped against their own recent lengths. The hop clip, the outsized test,
         # the direction check and the record keep the stream's.
         kind = stream if joins else f"{stream}/later"
-        later = None if joins else self._lengths.setdefault(kind, deque(maxlen=REFERENCE_WINDOW))
-        clip_ref = ref if later is None else stream_reference([*later, *lengths], [] if ref is None else [ref])
+        joined = self._lengths.setdefault(kind, deque(maxlen=REFERENCE_WINDOW))  # `window` itself for first hops
+        clip_ref = ref if joins else stream_reference([*joined, *lengths], [] if ref is None else [ref])
         # No length but each reply's own: the model it was sent gives the scale of the rejection.
         alone = not window and not others and (len(lengths) == 1 or not joins)
         weight_ref = reference([*self._weights, *(reply.num_examples for reply in replies)]) if weights else None
@@ -220,10 +220,8 @@ class ReplyGuard:
             wanted = step(index, num_examples) if callable(step) else float(step)
             share = bound_share(length, clip_ref, self.update_clip, wanted)
             if share < wanted:
-                assert clip_ref is not None
-                self._note(
-                    reply, "clipped", stream=kind, factor=share / wanted, length=length, bound=self.update_clip * clip_ref
-                )
+                self._note(reply, "clipped", stream=kind, factor=share / wanted, length=length,
+                           bound=self.update_clip * clip_ref)
             share = min(share, bound_share(length, ref, hop_clip, wanted))
             decoded = reply.decoded
             if share < 1.0:
@@ -237,7 +235,7 @@ class ReplyGuard:
                 )
             )
         self._measure(kind, ref, max(lengths), weight_ref, replies)
-        (window if later is None else later).extend(reply.length for reply in bounded)
+        joined.extend(reply.length for reply in bounded)
         if weights:  # as taken: a report of 10¹² examples joins as its bound, not as a new reference
             self._weights.extend(reply.num_examples for reply in bounded)
         return bounded
