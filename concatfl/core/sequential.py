@@ -50,8 +50,8 @@ from .bounds import Weights, flatten
 # STALL_AGGREGATIONS-th aggregation on, or below FINAL_STALL_FACTOR times chance at its last
 # aggregation however early that comes (FedCat with K = N over 2K rounds aggregates twice), has
 # stopped learning through its chains. Chance is the level of the model the run started from
-# (`chance_level`). In the sequential-stability map (18 settings, 3 seeds, 594 FedCat, FedSeq and
-# FedSeqInter runs) this warned in all 63 runs that ended below twice chance and in 6 of the 436
+# (`chance_level`). In the sequential-stability map (18 settings, 3 seeds, 702 FedCat, FedSeq and
+# FedSeqInter runs) this warned in all 79 runs that ended below twice chance and in 10 of the 525
 # that ended at 0.5 or more (docs/results.md).
 STALL_AGGREGATIONS = 5
 EARLY_STALL_FACTOR = 1.5
