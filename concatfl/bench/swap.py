@@ -10,9 +10,9 @@ K, and K = N) with default arguments, FedConcat and FedConcat-ID (the app's hand
 + 10 classifier rounds), and the defaults again with 10 % of the replies fuzzed and with
 Flower's LocalDpMod on the clients.
 
-Federations: 10 clients of ~4,000 images and 100 of ~400 (a stratified 40,000 of the training
-set, the whole 10,000-image test set), each label-skewed by #C=1 (100 clients), #C=2 or
-Dirichlet α = 0.1 / 0.5; SGD momentum 0.9 at lr 0.01 (0.05 and Adam 1e-3 in their own
+Federations: 10 clients of ~4,000 images, 100 of ~400 and 500 of 80 (FedSeq's own regime of many
+small clients; a stratified 40,000 of the training set, the whole 10,000-image test set), each
+label-skewed by #C=1 (100 and 500 clients), #C=2 or Dirichlet α = 0.1 / 0.5 (10 and 100); SGD momentum 0.9 at lr 0.01 (0.05 and Adam 1e-3 in their own
 settings). One process per run set (`concatfl.bench.inprocess`).
 """
 
@@ -39,13 +39,14 @@ BASE = {
     "momentum": 0.9,
     "lr": 0.01,
 }
-FEDERATIONS = (10, 100)
-# (name, label, run-config keys, federation sizes it applies to)
+FEDERATIONS = (10, 100, 500)
+# (name, label, run-config keys, federation sizes it applies to). 500 clients of 80 images: the
+# pathological partitions only, the FedSeq paper's setting (500 clients, α = 0).
 PARTITIONS = (
-    ("c1", "#C=1", {"partition": "classes", "classes-per-client": 1}, (100,)),
+    ("c1", "#C=1", {"partition": "classes", "classes-per-client": 1}, (100, 500)),
     ("c2", "#C=2", {"partition": "classes", "classes-per-client": 2}, FEDERATIONS),
-    ("dir0.1", "Dir(0.1)", {"partition": "dirichlet", "alpha": 0.1}, FEDERATIONS),
-    ("dir0.5", "Dir(0.5)", {"partition": "dirichlet", "alpha": 0.5}, FEDERATIONS),
+    ("dir0.1", "Dir(0.1)", {"partition": "dirichlet", "alpha": 0.1}, (10, 100)),
+    ("dir0.5", "Dir(0.5)", {"partition": "dirichlet", "alpha": 0.5}, (10, 100)),
 )
 OPTIMIZERS = (
     ("", "SGD lr 0.01", {}),
