@@ -12,8 +12,9 @@ Flower's LocalDpMod on the clients.
 
 Federations: 10 clients of ~4,000 images, 100 of ~400 and 500 of 80 (FedSeq's own regime of many
 small clients; a stratified 40,000 of the training set, the whole 10,000-image test set), each
-label-skewed by #C=1 (100 and 500 clients), #C=2 or Dirichlet α = 0.1 / 0.5 (10 and 100); SGD momentum 0.9 at lr 0.01 (0.05 and Adam 1e-3 in their own
-settings). One process per run set (`concatfl.bench.inprocess`).
+label-skewed by #C=1 (100 and 500 clients), #C=2 or Dirichlet α = 0.1 / 0.5 (10 and 100 clients);
+SGD momentum 0.9 at lr 0.01 (0.05 and Adam 1e-3 in their own settings). One process per run set
+(`concatfl.bench.inprocess`).
 """
 
 from __future__ import annotations
