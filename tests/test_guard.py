@@ -358,10 +358,8 @@ def test_later_hops_are_clipped_against_their_own_recent_lengths():
     # Later hops 6-8 r long (they start from a model fitted to other classes) are not clipped:
     # measured against their own lower median, 0.7 (bound 2.8). The hop clip still takes 1.5 r.
     starts = [arrays(1.1, 1.0), arrays(1.2, 1.0), arrays(1.3, 1.0)]
-    laters = guard.bound(
-        [reply(n, start, arrays(x + d, 1.0)) for n, start, x, d in zip((1, 2, 3), starts, (1.1, 1.2, 1.3), (0.6, 0.7, 0.8))],
-        joins=False, hop_clip=1.5,
-    )
+    hops = zip((1, 2, 3), starts, (1.1, 1.2, 1.3), (0.6, 0.7, 0.8))
+    laters = guard.bound([reply(n, start, arrays(x + d, 1.0)) for n, start, x, d in hops], joins=False, hop_clip=1.5)
     assert [b.reference for b in laters] == pytest.approx([0.1] * 3)  # what the hop clip and the record use
     assert [b.share for b in laters] == pytest.approx([0.15 / 0.6, 0.15 / 0.7, 0.15 / 0.8])
     assert "clipped" not in guard.round_record()

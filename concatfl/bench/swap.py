@@ -41,8 +41,8 @@ BASE = {
     "lr": 0.01,
 }
 FEDERATIONS = (10, 100, 500)
-# (name, label, run-config keys, federation sizes it applies to). 500 clients of 80 images: the
-# pathological partitions only, the FedSeq paper's setting (500 clients, α = 0).
+# (name, label, run-config keys, federation sizes it applies to). 500 clients of 80 images (the
+# FedSeq paper's 500 clients) hold the pathological partitions only: its α = 0 is #C=1.
 PARTITIONS = (
     ("c1", "#C=1", {"partition": "classes", "classes-per-client": 1}, (100, 500)),
     ("c2", "#C=2", {"partition": "classes", "classes-per-client": 2}, FEDERATIONS),
